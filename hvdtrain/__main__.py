@@ -1,0 +1,41 @@
+"""`python -m hvdtrain [train flags]`, or `python -m hvdtrain doctor|bench|hosts ...`.
+
+Alone it is one worker; under horovodrun or mpirun every process runs this same entry point.
+"""
+import os
+import sys
+
+from .config import UserError
+
+COMMANDS = {
+    "doctor": "hvdtrain.doctor",
+    "bench": "hvdtrain.bench",
+    "hosts": "hvdtrain.hosts",
+}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter, once per worker
+    from . import runtime
+
+    try:
+        if argv and argv[0] in COMMANDS:
+            import importlib
+
+            return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+        if argv and argv[0] == "train":
+            argv = argv[1:]
+        from . import config, train
+
+        train.run(config.load(argv))
+        return 0
+    except UserError as e:
+        runtime.say(f"hvdtrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

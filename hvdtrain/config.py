@@ -1,0 +1,213 @@
+"""The one training configuration: a dataclass filled from defaults, then a YAML file, then flags.
+
+Every field's help text lives in its metadata, so `--help`, the YAML keys and the validation below
+can never disagree. Validation happens in `Config.validate` and nowhere else; it raises `UserError`
+with one line a user can act on. Nothing here imports TensorFlow, so a bad flag fails in well under
+a second, before any worker spends time importing it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for: reported as one line, exit status 2, no traceback."""
+
+
+MODELS = ("mlp", "cnn", "resnet50")
+DATA_SOURCES = ("digits", "synthetic", "npz:PATH", "tfrecord:GLOB", "mnist", "fashion_mnist",
+                "cifar10", "module:function")
+OPTIMIZERS = ("sgd", "momentum", "adam", "rmsprop")
+
+
+def _f(default, help, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class Config:
+    config: Optional[str] = _f(None, "YAML file with any of these fields as keys; flags win over it")
+    model: str = _f("mlp", f"model: one of {', '.join(MODELS)}, or module:function returning a "
+                           "tf.keras.Model (called with input_shape, num_classes)")
+    data: str = _f("digits", f"data source: one of {', '.join(DATA_SOURCES)}")
+    epochs: int = _f(10, "number of epochs")
+    batch_size: int = _f(32, "batch size per worker (global batch = batch_size x workers)")
+    lr: float = _f(1e-3, "learning rate for one worker; scaled by the number of workers")
+    optimizer: str = _f("adam", f"optimizer: one of {', '.join(OPTIMIZERS)}")
+    warmup_epochs: float = _f(1.0, "epochs of linear warm-up from lr to lr x workers (0: none)")
+    seed: int = _f(42, "random seed for weights and data order")
+    output_dir: Optional[str] = _f(None, "where everything the run writes goes "
+                                         "(default: runs/<model>-<data>)")
+    steps_per_epoch: Optional[int] = _f(None, "cap on steps per epoch (default: one pass over "
+                                              "each worker's shard)")
+    val_split: float = _f(0.2, "fraction held out for validation when the source has no split")
+    shuffle: bool = _f(True, "reshuffle the training data every epoch (same order on every rank)")
+    synthetic_shape: tuple = _f((32, 32, 3), "input shape of the synthetic source", nargs=3)
+    synthetic_classes: int = _f(10, "classes of the synthetic source")
+    synthetic_samples: int = _f(2048, "samples of the synthetic source")
+    threads: int = _f(0, "intra-op threads per CPU worker (0: cores / workers on this host)")
+    tensorboard: bool = _f(True, "write TensorBoard logs (rank 0)")
+    save_model: bool = _f(True, "save the final model to output_dir/model.keras (rank 0)")
+    worker_logs: bool = _f(True, "every worker writes output_dir/logs/rank<N>.log")
+    verbose: int = _f(1, "Keras progress on rank 0: 0 silent, 1 progress bar, 2 one line per epoch")
+
+    # ---- validation: the one place ----
+    def validate(self) -> "Config":
+        for name in ("epochs", "batch_size", "synthetic_classes", "synthetic_samples"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise UserError(f"--lr must be positive, got {self.lr}")
+        if self.warmup_epochs < 0:
+            raise UserError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
+        if self.steps_per_epoch is not None and self.steps_per_epoch <= 0:
+            raise UserError(f"--steps-per-epoch must be a positive integer, got {self.steps_per_epoch}")
+        if not 0 < self.val_split < 1:
+            raise UserError(f"--val-split must be between 0 and 1, got {self.val_split}")
+        if self.threads < 0:
+            raise UserError(f"--threads must be >= 0, got {self.threads}")
+        if any(d <= 0 for d in self.synthetic_shape):
+            raise UserError(f"--synthetic-shape must be positive, got {list(self.synthetic_shape)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"unknown optimizer '{self.optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
+        if self.model not in MODELS and not _is_module_ref(self.model):
+            raise UserError(f"unknown model '{self.model}'; choose one of {', '.join(MODELS)} "
+                            "or give module:function")
+        kind, _, arg = self.data.partition(":")
+        if kind in ("npz", "tfrecord"):
+            if not arg:
+                raise UserError(f"--data {kind}: needs a path, e.g. {kind}:/data/train.{kind}")
+            if kind == "npz" and not os.path.isfile(arg):
+                raise UserError(f"--data {self.data}: no such file")
+        elif kind in ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10") and not arg:
+            pass
+        elif not _is_module_ref(self.data):
+            raise UserError(f"unknown data source '{self.data}'; choose one of {', '.join(DATA_SOURCES)}")
+        return self
+
+    @property
+    def run_dir(self) -> str:
+        """Deterministic, so every rank agrees without talking and a re-run finds its checkpoints."""
+        if self.output_dir:
+            return self.output_dir
+        tag = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.data.split("/")[-1])
+        return os.path.join("runs", f"{self.model.replace(':', '_')}-{tag}")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["synthetic_shape"] = list(self.synthetic_shape)
+        return d
+
+
+def _is_module_ref(s: str) -> bool:
+    mod, sep, fn = s.partition(":")
+    return bool(sep and fn.isidentifier() and all(p.isidentifier() for p in mod.split(".")))
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print usage on every rank and exit; we report once
+        raise UserError(message)
+
+
+def build_parser(prog="hvdtrain") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="Data-parallel Keras training on Horovod. Run it alone, or "
+                "under horovodrun/mpirun for several workers.", argument_default=argparse.SUPPRESS)
+    for f in dataclasses.fields(Config):
+        kw = {"help": f"{f.metadata['help']} (default: {f.default})"}
+        if f.type in ("bool", bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _field_type(f)
+            if "nargs" in f.metadata:
+                kw["nargs"] = f.metadata["nargs"]
+                kw["type"] = int
+        p.add_argument(f"--{_flag(f.name)}", dest=f.name, **kw)
+    return p
+
+
+def _field_type(f):
+    t = str(f.type)
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def load(argv=None) -> Config:
+    """Defaults < YAML file < flags, then validate."""
+    flags = vars(build_parser().parse_args(argv))
+    values = {}
+    if flags.get("config"):
+        values.update(_read_yaml(flags["config"]))
+    values.update(flags)
+    return from_dict(values).validate()
+
+
+def from_dict(values: dict) -> Config:
+    known = {f.name: f for f in dataclasses.fields(Config)}
+    kwargs = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise UserError(f"unknown config key '{key}'; known keys: {', '.join(sorted(known))}")
+        kwargs[name] = _coerce(known[name], value, key)
+    return Config(**kwargs)
+
+
+def _coerce(f, value, key):
+    if value is None:
+        return None
+    t = str(f.type)
+    try:
+        if "tuple" in t:
+            if not isinstance(value, (list, tuple)):
+                raise ValueError
+            return tuple(int(v) for v in value)
+        if "bool" in t:
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if "int" in t:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if "float" in t:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError
+        return str(value)
+    except (TypeError, ValueError):
+        want = t.replace("Optional[", "").rstrip("]")
+        raise UserError(f"config key '{key}': expected {want}, got {value!r}") from None
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path) as fh:
+            doc = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise UserError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(f"--config {path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise UserError(f"--config {path}: expected a mapping of config keys, got {type(doc).__name__}")
+    if "config" in doc:
+        raise UserError(f"--config {path}: a config file cannot name another config file")
+    return doc

@@ -1,0 +1,146 @@
+"""Who am I in the job, what hardware do I own, and how do ranks agree on failure.
+
+`init()` is the only place that calls `hvd.init()`, pins the GPU of this worker's local rank (or, with
+no GPU, gives it its share of the host's cores), and returns the `World`. Rank-0-only side effects go
+through `rank0_only`; everything that can fail differently per rank during set-up goes through
+`all_ranks_agree`, so no rank is ever left waiting in a collective for one that gave up.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from .config import UserError
+
+log = logging.getLogger("hvdtrain")
+
+# Launchers announce the rank before hvd.init(): used to report config errors once, from rank 0,
+# before a worker has paid for importing TensorFlow.
+_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def launcher_rank() -> int:
+    for var in _RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    device: str = "CPU"
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+
+_world = World(rank=launcher_rank())
+
+
+def world() -> World:
+    return _world
+
+
+def rank0_only(fn):
+    """Decorate a side effect (printing, writing files) so that it runs on rank 0 and is a no-op elsewhere."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _world.is_chief:
+            return fn(*args, **kwargs)
+        return None
+    return wrapper
+
+
+@rank0_only
+def say(msg: str, file=sys.stdout):
+    print(msg, file=file, flush=True)
+
+
+def init(threads: int = 0) -> World:
+    """hvd.init(), then pin this worker's device. Must run before TensorFlow touches any device."""
+    global _world
+    import horovod.tensorflow.keras as hvd
+    import tensorflow as tf
+
+    hvd.init()
+    rank, size, local_rank, local_size = hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        if local_rank >= len(gpus):
+            raise UserError(f"host {os.uname().nodename} runs {local_size} workers but has "
+                            f"{len(gpus)} GPU(s); lower the slots for this host")
+        gpu = gpus[local_rank]
+        tf.config.set_visible_devices(gpu, "GPU")
+        tf.config.experimental.set_memory_growth(gpu, True)
+        device = f"GPU:{local_rank} ({gpu.name})"
+    else:
+        n = threads or cpu_threads_per_worker(local_size)
+        tf.config.threading.set_intra_op_parallelism_threads(n)
+        tf.config.threading.set_inter_op_parallelism_threads(min(2, n))
+        device = f"CPU, {n} intra-op thread(s)"
+    _world = World(rank, size, local_rank, local_size, device)
+    return _world
+
+
+def cpu_threads_per_worker(local_size: int) -> int:
+    """Split this host's cores among its workers so that they do not oversubscribe the CPU."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, local_size))
+
+
+def all_ranks_agree(fn, *args, **kwargs):
+    """Run a set-up step on every rank; if it failed on any rank, raise the same UserError on all.
+
+    A rank that failed alone would otherwise leave the others blocked in their first allreduce.
+    """
+    import horovod.tensorflow as hvd
+
+    error, result = None, None
+    try:
+        result = fn(*args, **kwargs)
+    except UserError as e:
+        error = str(e)
+    except Exception as e:  # a bug or an environment problem: keep its traceback in this rank's log
+        log.exception("set-up failed on rank %d", _world.rank)
+        error = f"{type(e).__name__}: {e}"
+    if _world.size > 1:
+        errors = hvd.allgather_object(error)
+    else:
+        errors = [error]
+    failed = [r for r, e in enumerate(errors) if e]
+    if failed:
+        first = errors[failed[0]]
+        where = "" if len(failed) == _world.size else f" (on rank{'s' if len(failed) > 1 else ''} " \
+                                                       f"{', '.join(map(str, failed))})"
+        raise UserError(first + where)
+    return result
+
+
+EVERY_RANK = {"every_rank": True}
+
+
+def setup_logging(log_file: str | None = None):
+    """Every worker logs to its own file; the terminal gets rank 0's lines, and those marked
+    `extra=EVERY_RANK` from every worker (what each one pinned, for instance)."""
+    fmt = logging.Formatter(f"%(asctime)s rank {_world.rank}/{_world.size} %(levelname)s %(message)s")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter(f"hvdtrain[{_world.rank}]: %(message)s"))
+    h.addFilter(lambda record: _world.is_chief or getattr(record, "every_rank", False))
+    log.addHandler(h)
+    if log_file:
+        os.makedirs(os.path.dirname(log_file), exist_ok=True)
+        fh = logging.FileHandler(log_file)
+        fh.setFormatter(fmt)
+        log.addHandler(fh)

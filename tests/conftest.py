@@ -1,0 +1,68 @@
+"""Launch real hvdtrain jobs: plain python, horovodrun (Gloo or MPI controller) and mpirun."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable  # the project's .venv python: horovodrun and mpirun start workers with it
+BIN = Path(PYTHON).parent
+LAUNCHERS = ("gloo", "mpi", "mpirun")
+
+
+def job_env(extra=None):
+    env = dict(os.environ)
+    env.update({
+        "PATH": f"{BIN}:{env.get('PATH', '')}",
+        "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PYTHONUNBUFFERED": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    })
+    env.update(extra or {})
+    return env
+
+
+def command(np_, launcher, argv):
+    """The command line a user would type for np_ workers on this host."""
+    worker = [PYTHON] + list(argv)
+    if launcher is None:
+        assert np_ == 1
+        return worker
+    if launcher == "mpirun":
+        return ["mpirun", "-np", str(np_), "--bind-to", "none",
+                "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", "-x", "PYTHONUNBUFFERED"] + worker
+    return [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", f"--{launcher}"] + worker
+
+
+def launch(np_, launcher, argv, timeout=300, env=None):
+    """Run a job to the end; stdout and stderr come back together, as a user would see them."""
+    return subprocess.run(command(np_, launcher, argv), cwd=ROOT, env=job_env(env), timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def train(np_, launcher, out_dir, *flags, timeout=300):
+    """Train with hvdtrain and return its summary.json."""
+    argv = ["-m", "hvdtrain", "--output-dir", str(out_dir), "--verbose", "0", "--no-tensorboard", *flags]
+    proc = launch(np_, launcher, argv, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return json.loads((Path(out_dir) / "summary.json").read_text())
+
+
+def run_worker_script(np_, launcher, script, *args, timeout=300):
+    """Run tests/workers/<script> on np_ ranks; rank 0 prints one JSON line starting with RESULT."""
+    proc = launch(np_, launcher, [str(ROOT / "tests" / "workers" / script), *map(str, args)], timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stdout[-4000:]
+    return json.loads(lines[0][len("RESULT "):])
+
+
+@pytest.fixture
+def out(tmp_path):
+    return tmp_path

@@ -1,0 +1,56 @@
+"""Bad input: one clear line from rank 0 and a non-zero exit of the whole job within seconds."""
+import pytest
+
+from conftest import launch
+
+CASES = {
+    "unknown model": (["--model", "vgg99"], "unknown model 'vgg99'"),
+    "unknown data source": (["--data", "imagenet"], "unknown data source 'imagenet'"),
+    "missing npz": (["--data", "npz:/nonexistent/d.npz"], "npz:/nonexistent/d.npz: no such file"),
+    "missing tfrecords": (["--data", "tfrecord:/nonexistent/*.tfrecord"], "no files match"),
+    "malformed yaml": (["--config", "{bad_yaml}"], "malformed YAML at line 2"),
+    "missing yaml": (["--config", "/nonexistent.yaml"], "/nonexistent.yaml: no such file"),
+    "unknown config key": (["--config", "{unknown_key}"], "unknown config key 'learning_rate'"),
+    "unknown flag": (["--learning-rate", "1"], "unrecognized arguments: --learning-rate"),
+    "zero batch size": (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    "negative epochs": (["--epochs", "-1"], "--epochs must be a positive integer, got -1"),
+    "zero learning rate": (["--lr", "0"], "--lr must be positive, got 0.0"),
+    "data smaller than one global batch": (["--data", "digits", "--batch-size", "1000"],
+                                           "is fewer than workers x batch size"),
+    "model module that does not import": (["--model", "no_such_pkg.models:build"],
+                                          "cannot import module 'no_such_pkg.models'"),
+    "data function that does not exist": (["--data", "json:no_such_function"],
+                                          "module 'json' has no function 'no_such_function'"),
+}
+
+
+@pytest.fixture
+def yaml_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: mlp\nepochs: [1\n")
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("model: mlp\nlearning_rate: 0.1\n")
+    return {"bad_yaml": str(bad), "unknown_key": str(unknown)}
+
+
+@pytest.mark.parametrize("np_,launcher", [(1, None), (2, "gloo")], ids=["1-worker", "2-workers"])
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_fails_fast_with_one_clear_line(case, np_, launcher, yaml_files, tmp_path):
+    flags, message = CASES[case]
+    flags = [f.format(**yaml_files) for f in flags]
+    if case == "data smaller than one global batch" and np_ == 1:
+        flags = ["--data", "digits", "--batch-size", "2000"]
+    # a hang would run into the timeout and fail the test
+    proc = launch(np_, launcher, ["-m", "hvdtrain", "--output-dir", str(tmp_path / "run"), *flags], timeout=90)
+    assert proc.returncode != 0
+    ours = [l for l in proc.stdout.splitlines() if "hvdtrain: error:" in l]
+    assert len(ours) == 1, proc.stdout[-3000:]  # rank 0 alone says it
+    assert message in ours[0], ours[0]
+    assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "mpirun"])
+def test_bad_input_ends_the_job_under_mpi_too(launcher, tmp_path):
+    proc = launch(2, launcher, ["-m", "hvdtrain", "--model", "vgg99"], timeout=120)
+    assert proc.returncode != 0
+    assert sum("hvdtrain: error: unknown model 'vgg99'" in l for l in proc.stdout.splitlines()) == 1

@@ -1,0 +1,47 @@
+"""The config: defaults < YAML < flags, every field documented, every bad value one clear error."""
+import dataclasses
+
+import pytest
+
+from hvdtrain import config
+from hvdtrain.config import Config, UserError
+
+
+def test_flags_win_over_yaml_and_yaml_over_defaults(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model: cnn\nepochs: 3\nbatch-size: 8\nsynthetic_shape: [4, 4, 1]\n")
+    cfg = config.load(["--config", str(f), "--epochs", "5"])
+    assert (cfg.model, cfg.epochs, cfg.batch_size, cfg.synthetic_shape) == ("cnn", 5, 8, (4, 4, 1))
+    assert cfg.lr == Config().lr
+
+
+def test_help_documents_every_field(capsys):
+    with pytest.raises(SystemExit):
+        config.build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(Config):
+        assert f"--{f.name.replace('_', '-')}" in text
+
+
+def test_boolean_flags_have_a_negative_form():
+    assert config.load(["--no-shuffle"]).shuffle is False
+    assert config.load([]).shuffle is True
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("epochs: ten\n", "config key 'epochs': expected int, got 'ten'"),
+    ("lr: [1]\n", "config key 'lr': expected float"),
+    ("shuffle: 3\n", "config key 'shuffle': expected bool"),
+    ("- a\n- b\n", "expected a mapping of config keys, got list"),
+    ("config: other.yaml\n", "cannot name another config file"),
+])
+def test_yaml_values_of_the_wrong_type_are_rejected(tmp_path, yaml_text, message):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml_text)
+    with pytest.raises(UserError, match=message.replace("[", r"\[")):
+        config.load(["--config", str(f)])
+
+
+def test_default_output_dir_is_deterministic_so_every_rank_agrees():
+    assert Config(model="cnn", data="npz:/data/train.npz").run_dir == "runs/cnn-train.npz"
+    assert Config(output_dir="/tmp/x").run_dir == "/tmp/x"

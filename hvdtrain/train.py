@@ -142,6 +142,16 @@ def run(cfg: Config) -> dict:
     return summary
 
 
+def export_model(model, path: str):
+    """Save architecture and weights without the compile state: the optimizer is Horovod's wrapper,
+    and a model file should load with plain `tf.keras.models.load_model`, no Horovod needed."""
+    import tensorflow as tf
+
+    plain = tf.keras.models.clone_model(model)
+    plain.set_weights(model.get_weights())
+    plain.save(path)
+
+
 def _gather(value, world):
     if world.size == 1:
         return [value]
@@ -154,7 +164,7 @@ def _gather(value, world):
 def _write_outputs(cfg: Config, model, summary: dict):
     os.makedirs(cfg.run_dir, exist_ok=True)
     if cfg.save_model:
-        model.save(os.path.join(cfg.run_dir, "model.keras"))
+        export_model(model, os.path.join(cfg.run_dir, "model.keras"))
     path = os.path.join(cfg.run_dir, "summary.json")
     with open(path + ".tmp", "w") as fh:
         json.dump(summary, fh, indent=2)

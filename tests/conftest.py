@@ -58,9 +58,9 @@ def run_worker_script(np_, launcher, script, *args, timeout=300):
     """Run tests/workers/<script> on np_ ranks; rank 0 prints one JSON line starting with RESULT."""
     proc = launch(np_, launcher, [str(ROOT / "tests" / "workers" / script), *map(str, args)], timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert len(lines) == 1, proc.stdout[-4000:]
-    return json.loads(lines[0][len("RESULT "):])
+    lines = [l.split("RESULT ", 1)[1] for l in proc.stdout.splitlines() if "RESULT " in l]
+    assert len(lines) == 1, proc.stdout[-4000:]  # horovodrun prefixes lines with [rank]<stdout>:
+    return json.loads(lines[0])
 
 
 @pytest.fixture

@@ -46,11 +46,11 @@ def test_fewer_files_than_workers_falls_back_to_element_sharding(tmp_path):
 
 @pytest.mark.parametrize("source", ["npz", "tfrecord"])
 def test_uneven_split_gives_every_worker_the_same_number_of_steps(tmp_path, source):
-    """70 samples over 2 workers in batches of 8: 35 each -> 4 steps each, never 5 on one rank."""
+    """70 samples over 2 workers in batches of 8: the smaller shard decides, for every rank."""
     data = (_ids_npz(tmp_path / "d.npz", 70) if source == "npz"
-            else _ids_tfrecords(tmp_path / "t", 70, 3))  # 3 files: shards of 24 and 46 records
+            else _ids_tfrecords(tmp_path / "t", 70, 3))  # files of 24, 23, 23: shards of 47 and 23
     report = run_worker_script(2, "gloo", "shard_check.py", data, 8)
     steps = report["steps"][0]
-    assert report["steps"] == [steps, steps] and steps == (35 if source == "npz" else 24) // 8
+    assert report["steps"] == [steps, steps] and steps == (35 if source == "npz" else 23) // 8
     assert [len(ids) for ids in report["ids"]] == [steps * 8] * 2
     assert not set(report["ids"][0]) & set(report["ids"][1])

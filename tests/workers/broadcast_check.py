@@ -1,7 +1,8 @@
 """Ranks build the same model from different seeds; hvdtrain's broadcast must leave rank 0's weights everywhere."""
 import json
 
-import horovod.tensorflow.keras as hvd
+import horovod.tensorflow as hvd
+import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
 from hvdtrain import models, runtime, train
@@ -9,7 +10,7 @@ from hvdtrain import models, runtime, train
 world = runtime.init()
 tf.keras.utils.set_random_seed(1000 + world.rank)
 model = models.build("mlp", (8, 8, 1), 10)
-model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3)),
+model.compile(optimizer=hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3)),
               loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 before = hvd.allgather_object(train.weights_sha256(model))
 train.broadcast_initial_state(model)

@@ -58,7 +58,7 @@ def mpi():
     with contextlib.suppress(Exception):
         from mpi4py import MPI
 
-        found.append("mpi4py: " + MPI.Get_library_version().strip().splitlines()[0])
+        found.append("mpi4py: " + MPI.Get_library_version().strip("\x00 \n").splitlines()[0])
     if not found:
         return [check("mpi", WARN, "no mpirun on PATH: use horovodrun --gloo, or install openmpi-bin")]
     return [check("mpi", OK, "; ".join(found))]

@@ -1,14 +1,24 @@
 """Bad input: one clear line from rank 0 and a non-zero exit of the whole job within seconds."""
+import re
+
 import pytest
 
-from conftest import launch
+from conftest import ROOT, launch
+
+
+def worker_tracebacks(output: str) -> list:
+    """Tracebacks printed by hvdtrain's workers. horovodrun prefixes worker lines with [rank]<stderr>:
+    and, on any non-zero exit, prints its own traceback as a launcher: that one is not ours."""
+    return [l for l in output.splitlines()
+            if re.match(r"^(\[[\d,]+\]<std(err|out)>:)?Traceback", l) and not l.startswith("Traceback")
+            or f'File "{ROOT / "hvdtrain"}' in l]
 
 CASES = {
     "unknown model": (["--model", "vgg99"], "unknown model 'vgg99'"),
     "unknown data source": (["--data", "imagenet"], "unknown data source 'imagenet'"),
     "missing npz": (["--data", "npz:/nonexistent/d.npz"], "npz:/nonexistent/d.npz: no such file"),
     "missing tfrecords": (["--data", "tfrecord:/nonexistent/*.tfrecord"], "no files match"),
-    "malformed yaml": (["--config", "{bad_yaml}"], "malformed YAML at line 2"),
+    "malformed yaml": (["--config", "{bad_yaml}"], "malformed YAML at line 3"),
     "missing yaml": (["--config", "/nonexistent.yaml"], "/nonexistent.yaml: no such file"),
     "unknown config key": (["--config", "{unknown_key}"], "unknown config key 'learning_rate'"),
     "unknown flag": (["--learning-rate", "1"], "unrecognized arguments: --learning-rate"),
@@ -46,7 +56,9 @@ def test_bad_input_fails_fast_with_one_clear_line(case, np_, launcher, yaml_file
     ours = [l for l in proc.stdout.splitlines() if "hvdtrain: error:" in l]
     assert len(ours) == 1, proc.stdout[-3000:]  # rank 0 alone says it
     assert message in ours[0], ours[0]
-    assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    if launcher is None:
+        assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert not worker_tracebacks(proc.stdout), proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "mpirun"])
@@ -54,3 +66,14 @@ def test_bad_input_ends_the_job_under_mpi_too(launcher, tmp_path):
     proc = launch(2, launcher, ["-m", "hvdtrain", "--model", "vgg99"], timeout=120)
     assert proc.returncode != 0
     assert sum("hvdtrain: error: unknown model 'vgg99'" in l for l in proc.stdout.splitlines()) == 1
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
+def test_failure_on_one_rank_only_ends_every_rank_with_rank0_naming_it(launcher, tmp_path):
+    """Set-up that fails on rank 1 alone must not leave rank 0 waiting in its first allreduce."""
+    proc = launch(2, launcher, ["-m", "hvdtrain", "--data", "userdata:fails_on_rank_1",
+                                "--output-dir", str(tmp_path)], timeout=120)
+    assert proc.returncode != 0
+    ours = [l for l in proc.stdout.splitlines() if "hvdtrain: error:" in l]
+    assert len(ours) == 1, proc.stdout[-3000:]
+    assert "FileNotFoundError: /data/shard-1.tfrecord (on rank 1)" in ours[0]

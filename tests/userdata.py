@@ -1,0 +1,26 @@
+"""A user's own model and data, plugged in as module:function (tests put this folder on PYTHONPATH)."""
+import os
+
+import numpy as np
+import tensorflow as tf
+
+
+def tiny_model(input_shape, num_classes):
+    return tf.keras.Sequential([tf.keras.layers.Input(input_shape), tf.keras.layers.Flatten(),
+                                tf.keras.layers.Dense(num_classes)], name="tiny")
+
+
+def blobs():
+    """Two Gaussian blobs: an unbatched tf.data pipeline with a validation split."""
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 512)
+    x = (rng.standard_normal((512, 4)) + y[:, None] * 3).astype(np.float32)
+    return (tf.data.Dataset.from_tensor_slices((x[:448], y[:448])),
+            tf.data.Dataset.from_tensor_slices((x[448:], y[448:])))
+
+
+def fails_on_rank_1():
+    """Like a file that exists on one host only: set-up fails on one rank and not the others."""
+    if os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1":
+        raise FileNotFoundError("/data/shard-1.tfrecord")
+    return blobs()

@@ -22,6 +22,8 @@ MODELS = ("mlp", "cnn", "resnet50")
 DATA_SOURCES = ("digits", "synthetic", "npz:PATH", "tfrecord:GLOB", "mnist", "fashion_mnist",
                 "cifar10", "module:function")
 OPTIMIZERS = ("sgd", "momentum", "adam", "rmsprop")
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+SCHEDULES = ("constant", "step", "cosine")
 
 
 def _f(default, help, **kw):
@@ -54,10 +56,41 @@ class Config:
     save_model: bool = _f(True, "save the final model to output_dir/model.keras (rank 0)")
     worker_logs: bool = _f(True, "every worker writes output_dir/logs/rank<N>.log")
     verbose: int = _f(1, "Keras progress on rank 0: 0 silent, 1 progress bar, 2 one line per epoch")
+    # checkpoints
+    checkpoint_every: int = _f(1, "write a checkpoint every N epochs and at the end (0: never)")
+    keep_checkpoints: int = _f(3, "keep the last K checkpoints")
+    resume: Optional[str] = _f(None, "resume from this checkpoint (a ckpt-N path or a checkpoint dir)")
+    auto_resume: bool = _f(True, "resume from output_dir/checkpoints when it holds a checkpoint")
+    # gradients
+    backward_passes_per_step: int = _f(1, "micro-batches accumulated per update (effective batch = "
+                                          "batch_size x passes x workers)")
+    compression: str = _f("none", "gradient compression for the allreduce: none or fp16")
+    reduction: str = _f("average", "gradient reduction: average (ring-allreduce) or adasum")
+    sparse_as_dense: bool = _f(False, "allreduce sparse gradients (embeddings) as dense tensors")
+    clip_norm: Optional[float] = _f(None, "clip the averaged gradient to this global norm")
+    precision: str = _f("float32", f"compute precision: {', '.join(PRECISIONS)}")
+    # learning-rate schedule after warm-up
+    lr_schedule: str = _f("constant", f"after warm-up: {', '.join(SCHEDULES)}")
+    lr_decay_epochs: tuple = _f((), "step schedule: epochs at which the lr is multiplied by "
+                                    "lr_decay_factor", nargs="*")
+    lr_decay_factor: float = _f(0.1, "step schedule: multiplier at each of lr_decay_epochs")
+    # stopping and best model, decided on metrics averaged over all workers
+    early_stopping_patience: int = _f(0, "stop after N epochs without improvement of monitor (0: off)")
+    monitor: str = _f("val_loss", "metric for early stopping and best-model keeping")
+    keep_best: bool = _f(True, "save output_dir/best.weights.h5 whenever monitor improves (rank 0)")
+    deterministic: bool = _f(True, "deterministic TensorFlow ops: same seed, same weights, bit for bit")
+    # Horovod knobs
+    horovod_timeline: Optional[str] = _f(None, "write Horovod's Chrome-trace timeline here (rank 0)")
+    stall_check_seconds: Optional[int] = _f(None, "warn when a rank has not joined an allreduce "
+                                                  "for this long (Horovod default 60)")
+    fusion_threshold_mb: Optional[float] = _f(None, "tensor fusion buffer in MiB (Horovod default 128)")
+    cycle_time_ms: Optional[float] = _f(None, "Horovod background cycle time in ms (default 1)")
+    autotune: bool = _f(False, "let Horovod tune fusion threshold and cycle time")
 
     # ---- validation: the one place ----
     def validate(self) -> "Config":
-        for name in ("epochs", "batch_size", "synthetic_classes", "synthetic_samples"):
+        for name in ("epochs", "batch_size", "synthetic_classes", "synthetic_samples",
+                     "keep_checkpoints", "backward_passes_per_step"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -72,6 +105,27 @@ class Config:
             raise UserError(f"--threads must be >= 0, got {self.threads}")
         if any(d <= 0 for d in self.synthetic_shape):
             raise UserError(f"--synthetic-shape must be positive, got {list(self.synthetic_shape)}")
+        for name in ("checkpoint_every", "early_stopping_patience"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name, allowed in (("compression", ("none", "fp16")), ("reduction", ("average", "adasum")),
+                              ("precision", PRECISIONS), ("lr_schedule", SCHEDULES)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"--{_flag(name)} must be one of {', '.join(allowed)}, "
+                                f"got '{getattr(self, name)}'")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise UserError(f"--clip-norm must be positive, got {self.clip_norm}")
+        if list(self.lr_decay_epochs) != sorted(set(self.lr_decay_epochs)) or \
+                any(e <= 0 for e in self.lr_decay_epochs):
+            raise UserError(f"--lr-decay-epochs must be increasing positive epochs, "
+                            f"got {list(self.lr_decay_epochs)}")
+        if self.lr_schedule == "step" and not self.lr_decay_epochs:
+            raise UserError("--lr-schedule step needs --lr-decay-epochs, e.g. --lr-decay-epochs 30 60")
+        for name in ("fusion_threshold_mb", "cycle_time_ms", "stall_check_seconds"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise UserError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+        if self.resume and not (os.path.exists(self.resume) or os.path.exists(self.resume + ".index")):
+            raise UserError(f"--resume {self.resume}: no such checkpoint")
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"unknown optimizer '{self.optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
         if self.model not in MODELS and not _is_module_ref(self.model):
@@ -100,7 +154,28 @@ class Config:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["synthetic_shape"] = list(self.synthetic_shape)
+        d["lr_decay_epochs"] = list(self.lr_decay_epochs)
         return d
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.run_dir, "checkpoints")
+
+    def horovod_env(self) -> dict:
+        """The Horovod knobs as the environment variables hvd.init() reads."""
+        env = {}
+        if self.horovod_timeline:
+            env["HOROVOD_TIMELINE"] = os.path.abspath(self.horovod_timeline)
+        if self.stall_check_seconds:
+            env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(self.stall_check_seconds)
+        if self.fusion_threshold_mb:
+            env["HOROVOD_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_mb * 1024 * 1024))
+        if self.cycle_time_ms:
+            env["HOROVOD_CYCLE_TIME"] = str(self.cycle_time_ms)
+        if self.autotune:
+            env["HOROVOD_AUTOTUNE"] = "1"
+            env["HOROVOD_AUTOTUNE_LOG"] = os.path.abspath(os.path.join(self.run_dir, "autotune.csv"))
+        return env
 
 
 def _is_module_ref(s: str) -> bool:

@@ -64,9 +64,13 @@ def say(msg: str, file=sys.stdout):
     print(msg, file=file, flush=True)
 
 
-def init(threads: int = 0) -> World:
-    """hvd.init(), then pin this worker's device. Must run before TensorFlow touches any device."""
+def init(threads: int = 0, horovod_env: dict | None = None) -> World:
+    """hvd.init(), then pin this worker's device. Must run before TensorFlow touches any device.
+
+    horovod_env: Horovod's knobs (HOROVOD_TIMELINE, HOROVOD_FUSION_THRESHOLD, ...), read by hvd.init().
+    """
     global _world
+    os.environ.update(horovod_env or {})
     import horovod.tensorflow.keras as hvd
     import tensorflow as tf
 

@@ -9,27 +9,101 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import time
 
 from . import data as data_lib
 from . import models, runtime
-from .config import Config
+from .checkpoint import Checkpoints
+from .config import Config, UserError
 from .runtime import log, rank0_only
 
 
-def make_optimizer(cfg: Config, size: int):
-    """The user's optimizer at lr x workers: the linear scaling rule for a global batch that grew as much."""
+def lr_multiplier(cfg: Config, world: runtime.World) -> float:
+    """The linear scaling rule: the global batch grew by workers x passes, so does the learning rate.
+
+    Adasum combines gradients instead of averaging them and wants no such scaling on CPUs (on GPUs,
+    with NCCL inside a host, by the local size), as Horovod's Adasum guide says.
+    """
+    if cfg.reduction == "adasum":
+        return float(world.local_size if world.device.startswith("GPU") else 1) * cfg.backward_passes_per_step
+    return float(world.size * cfg.backward_passes_per_step)
+
+
+def make_optimizer(cfg: Config, world: runtime.World):
+    """The user's optimizer at the scaled lr, wrapped in Horovod's DistributedOptimizer.
+
+    Clipping (global_clipnorm) happens inside apply_gradients, i.e. on the allreduced gradient, so every
+    rank clips the same vector.
+    """
+    import horovod.tensorflow as hvd_ops
+    import horovod.tensorflow.keras as hvd
     import tensorflow as tf
 
-    lr = cfg.lr * size
-    return {
-        "sgd": lambda: tf.keras.optimizers.SGD(lr),
-        "momentum": lambda: tf.keras.optimizers.SGD(lr, momentum=0.9),
-        "adam": lambda: tf.keras.optimizers.Adam(lr),
-        "rmsprop": lambda: tf.keras.optimizers.RMSprop(lr),
+    lr = cfg.lr * lr_multiplier(cfg, world)
+    kw = {"global_clipnorm": cfg.clip_norm} if cfg.clip_norm else {}
+    opt = {
+        "sgd": lambda: tf.keras.optimizers.SGD(lr, **kw),
+        "momentum": lambda: tf.keras.optimizers.SGD(lr, momentum=0.9, **kw),
+        "adam": lambda: tf.keras.optimizers.Adam(lr, **kw),
+        "rmsprop": lambda: tf.keras.optimizers.RMSprop(lr, **kw),
     }[cfg.optimizer]()
+    if cfg.reduction == "adasum":
+        return opt  # Horovod's Keras optimizer wrapper takes Average or Sum only: see use_adasum()
+    return hvd.DistributedOptimizer(
+        opt,
+        compression=_compression(cfg),
+        op=hvd_ops.Average,
+        backward_passes_per_step=cfg.backward_passes_per_step,
+        average_aggregated_gradients=True,
+        sparse_as_dense=cfg.sparse_as_dense)
+
+
+def _compression(cfg: Config):
+    import horovod.tensorflow as hvd
+
+    return hvd.Compression.fp16 if cfg.compression == "fp16" else hvd.Compression.none
+
+
+def use_adasum(model, cfg: Config, world: runtime.World):
+    """Adasum through Horovod's DistributedGradientTape, in the model's own train_step.
+
+    Horovod 0.28.1's Keras DistributedOptimizer rejects op=Adasum; its DistributedGradientTape does not.
+    """
+    import types
+
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    if world.size & (world.size - 1):
+        raise UserError(f"--reduction adasum needs a power-of-2 number of workers, got {world.size}")
+    if world.size > 1 and not hvd.mpi_enabled():
+        raise UserError("--reduction adasum needs the MPI controller (horovodrun --mpi, or mpirun)")
+    if cfg.backward_passes_per_step > 1 or cfg.precision == "mixed_float16":
+        raise UserError("--reduction adasum does not combine with --backward-passes-per-step > 1 "
+                        "or --precision mixed_float16")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x, y, y_pred)
+        tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum, compression=_compression(cfg),
+                                           sparse_as_dense=cfg.sparse_as_dense)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return self.compute_metrics(x, y, y_pred, None)
+
+    model.train_step = types.MethodType(train_step, model)
+
+
+def build_optimizer(model):
+    """Create the optimizer's slots now (Keras creates them at the first step), so that a checkpoint
+    can be restored into them and they can be broadcast before training starts."""
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # under a LossScaleOptimizer
+    optimizer.build(model.trainable_variables)
 
 
 def broadcast_initial_state(model, root_rank: int = 0):
@@ -41,7 +115,7 @@ def broadcast_initial_state(model, root_rank: int = 0):
     """
     import horovod.tensorflow as hvd
 
-    model.optimizer.build(model.trainable_variables)
+    build_optimizer(model)
     if hvd.size() > 1:
         hvd.broadcast_variables(model.variables, root_rank=root_rank)
         hvd.broadcast_variables(model.optimizer.variables, root_rank=root_rank)
@@ -78,63 +152,137 @@ def _throughput_callback(batch_size: int):
     return Throughput()
 
 
-def callbacks(cfg: Config, data: data_lib.Data, world: runtime.World):
-    """Horovod's callbacks first (metric averaging must precede anything that reads metrics)."""
+def _stop_on_nonfinite_loss():
+    """Keras' TerminateOnNaN decides per rank; a rank that stops alone leaves the others waiting in
+    the next allreduce. Here the ranks agree every step (one scalar allreduce) and stop together."""
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+
+    class StopOnNonFiniteLoss(tf.keras.callbacks.Callback):
+        where = None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            bad = float(not np.isfinite(logs.get("loss", 0.0)))
+            if hvd.size() > 1:
+                bad = float(hvd.allreduce(tf.constant(bad), op=hvd.Sum, name="hvdtrain.nonfinite_loss"))
+            if bad:
+                self.where = (self.epoch + 1, batch + 1)
+                self.model.stop_training = True
+
+    return StopOnNonFiniteLoss()
+
+
+def _lr_callbacks(cfg: Config, data: data_lib.Data, world: runtime.World):
+    """Warm-up from lr to lr x workers (Goyal et al. 2017), then the schedule, all in epochs."""
+    import horovod.tensorflow.keras as hvd
+
+    peak = cfg.lr * lr_multiplier(cfg, world)
+    steps = data.steps_per_epoch
+    cbs = []
+    if cfg.warmup_epochs > 0 and lr_multiplier(cfg, world) > 1:
+        cbs.append(hvd.callbacks.LearningRateWarmupCallback(
+            initial_lr=peak, warmup_epochs=cfg.warmup_epochs, steps_per_epoch=steps,
+            momentum_correction=False, verbose=0))
+    start = cfg.warmup_epochs
+    if cfg.lr_schedule == "cosine":
+        span = max(cfg.epochs - start, 1e-9)
+        cbs.append(hvd.callbacks.LearningRateScheduleCallback(
+            initial_lr=peak, start_epoch=start, end_epoch=cfg.epochs, staircase=False,
+            steps_per_epoch=steps, momentum_correction=False,
+            multiplier=lambda e: 0.5 * (1 + math.cos(math.pi * (e - start) / span))))
+    elif cfg.lr_schedule == "step":
+        cbs.append(hvd.callbacks.LearningRateScheduleCallback(
+            initial_lr=peak, start_epoch=start, end_epoch=cfg.epochs, staircase=True,
+            momentum_correction=False,
+            multiplier=lambda e: cfg.lr_decay_factor ** sum(e >= m for m in cfg.lr_decay_epochs)))
+    return cbs
+
+
+def callbacks(cfg: Config, data: data_lib.Data, world: runtime.World, ckpts):
+    """Horovod's metric averaging first: everything after it (early stopping, best model,
+    TensorBoard) sees metrics averaged over all workers, so every rank takes the same decisions."""
     import horovod.tensorflow.keras as hvd
     import tensorflow as tf
 
-    cbs = [hvd.callbacks.MetricAverageCallback()]
-    if cfg.warmup_epochs > 0 and world.size > 1:
-        cbs.append(hvd.callbacks.LearningRateWarmupCallback(
-            initial_lr=cfg.lr * world.size, warmup_epochs=cfg.warmup_epochs,
-            steps_per_epoch=data.steps_per_epoch, verbose=0))
+    cbs = [hvd.callbacks.MetricAverageCallback(), *_lr_callbacks(cfg, data, world)]
+    if cfg.early_stopping_patience:
+        cbs.append(tf.keras.callbacks.EarlyStopping(monitor=cfg.monitor,
+                                                    patience=cfg.early_stopping_patience))
+    if world.is_chief and cfg.keep_best and (data.val is not None or not cfg.monitor.startswith("val_")):
+        cbs.append(tf.keras.callbacks.ModelCheckpoint(os.path.join(cfg.run_dir, "best.weights.h5"),
+                                                      monitor=cfg.monitor, save_best_only=True,
+                                                      save_weights_only=True))
     if world.is_chief and cfg.tensorboard:
         cbs.append(tf.keras.callbacks.TensorBoard(os.path.join(cfg.run_dir, "tensorboard"),
                                                   profile_batch=0))
+    if cfg.checkpoint_every:
+        cbs.append(ckpts.callback())
     return cbs
 
 
 def run(cfg: Config) -> dict:
-    import horovod.tensorflow.keras as hvd
     import tensorflow as tf
 
     t0 = time.time()
-    world = runtime.init(cfg.threads)
+    world = runtime.init(cfg.threads, cfg.horovod_env())
     runtime.setup_logging(os.path.join(cfg.run_dir, "logs", f"rank{world.rank}.log")
                           if cfg.worker_logs else None)
     host = socket.gethostname()
     log.info("rank %d/%d (local %d/%d) on %s: %s", world.rank, world.size, world.local_rank,
              world.local_size, host, world.device, extra=runtime.EVERY_RANK)
     tf.keras.utils.set_random_seed(cfg.seed)
+    if cfg.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    tf.keras.mixed_precision.set_global_policy(cfg.precision)
 
     data = runtime.all_ranks_agree(data_lib.load, cfg, world)
+    data.steps_per_epoch -= data.steps_per_epoch % cfg.backward_passes_per_step  # whole updates only
+    if data.steps_per_epoch == 0:
+        raise UserError(f"--backward-passes-per-step {cfg.backward_passes_per_step} is more than the "
+                        f"steps in an epoch; lower it or --batch-size")
     model = runtime.all_ranks_agree(models.build, cfg.model, data.input_shape, data.num_classes)
-    model.compile(optimizer=hvd.DistributedOptimizer(make_optimizer(cfg, world.size)),
+    model.compile(optimizer=make_optimizer(cfg, world),
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
-    broadcast_initial_state(model)
-    log.info("%s on %s: %d samples, %s sharding, %d steps/epoch of %d per worker, %d workers",
-             model.name, cfg.data, data.num_samples, data.sharding, data.steps_per_epoch,
-             cfg.batch_size, world.size)
+    if cfg.reduction == "adasum":
+        runtime.all_ranks_agree(use_adasum, model, cfg, world)
+    ckpts = Checkpoints(cfg, model, world)
+    first_epoch = ckpts.restore_and_broadcast()
+    log.info("%s on %s: %d samples, %s sharding, %d steps/epoch of %d per worker, %d workers, "
+             "epochs %d..%d", model.name, cfg.data, data.num_samples, data.sharding,
+             data.steps_per_epoch, cfg.batch_size, world.size, first_epoch + 1, cfg.epochs)
 
-    throughput = _throughput_callback(cfg.batch_size)
-    history = model.fit(data.stream(0, cfg.epochs), epochs=cfg.epochs,
+    throughput, nonfinite = _throughput_callback(cfg.batch_size), _stop_on_nonfinite_loss()
+    history = model.fit(data.stream(first_epoch, cfg.epochs), epochs=cfg.epochs, initial_epoch=first_epoch,
                         steps_per_epoch=data.steps_per_epoch, validation_data=data.val,
-                        callbacks=callbacks(cfg, data, world) + [throughput],
+                        callbacks=[nonfinite] + callbacks(cfg, data, world, ckpts) + [throughput],
                         verbose=cfg.verbose if world.is_chief else 0)
+    if nonfinite.where:
+        epoch, step = nonfinite.where
+        raise UserError(f"the loss became NaN or infinite at epoch {epoch}, step {step}, on at least one "
+                        f"worker; every worker stopped there. Lower --lr, add --clip-norm, or check the "
+                        f"data for NaN/Inf")
 
     per_worker = _gather(throughput.samples_per_sec, world)
     summary = {
         "world_size": world.size,
         "hosts": sorted(set(_gather(host, world))),
         "epochs": cfg.epochs,
+        "first_epoch": first_epoch,
+        "epochs_run": len(history.epoch),
         "steps_per_epoch": data.steps_per_epoch,
-        "global_batch_size": cfg.batch_size * world.size,
+        "global_batch_size": cfg.batch_size * world.size * cfg.backward_passes_per_step,
         "metrics": {k: float(v[-1]) for k, v in history.history.items()},
         "samples_per_sec_per_worker": per_worker,
         "samples_per_sec_total": sum(per_worker),
         "wall_time_s": time.time() - t0,
         "weights_sha256_by_rank": _gather(weights_sha256(model), world),
+        "precision": {"policy": tf.keras.mixed_precision.global_policy().name,
+                      "loss_scaling": isinstance(model.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)},
         "config": cfg.to_dict(),
     }
     _write_outputs(cfg, model, summary)

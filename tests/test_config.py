@@ -45,3 +45,18 @@ def test_yaml_values_of_the_wrong_type_are_rejected(tmp_path, yaml_text, message
 def test_default_output_dir_is_deterministic_so_every_rank_agrees():
     assert Config(model="cnn", data="npz:/data/train.npz").run_dir == "runs/cnn-train.npz"
     assert Config(output_dir="/tmp/x").run_dir == "/tmp/x"
+
+
+def test_every_flag_reaches_the_workers_through_horovodrun_argument_parsing(monkeypatch):
+    """horovodrun's argparse matches option prefixes anywhere on its command line: a flag of ours that
+    is an ambiguous prefix of two of its options (as --timeline once was) kills the launch."""
+    import sys
+
+    from horovod.runner import launch
+
+    for f in dataclasses.fields(Config):
+        flag = f"--{f.name.replace('_', '-')}"
+        argv = ["horovodrun", "-np", "2", "python", "-m", "hvdtrain", flag, "1"]
+        monkeypatch.setattr(sys, "argv", argv)
+        args = launch.parse_args()
+        assert args.command == argv[3:], flag

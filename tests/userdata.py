@@ -24,3 +24,10 @@ def fails_on_rank_1():
     if os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1":
         raise FileNotFoundError("/data/shard-1.tfrecord")
     return blobs()
+
+
+def nan_on_rank_1():
+    """Sample 1 is NaN: with --no-shuffle it lands in rank 1's first batch and nowhere else."""
+    x = np.random.default_rng(0).standard_normal((256, 4)).astype(np.float32)
+    x[1] = np.nan
+    return tf.data.Dataset.from_tensor_slices((x, np.zeros(256, np.int64) + (x[:, 0] > 0)))

@@ -1,0 +1,158 @@
+"""Training features at 1 and 2 workers: checkpoints and resume, accumulation, compression, Adasum,
+clipping, mixed precision, schedules, Horovod knobs, determinism, NaN handling, early stopping."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, command, job_env, launch, train
+
+FAST = ("--model", "mlp", "--data", "digits", "--steps-per-epoch", "6")
+EXACT = FAST + ("--optimizer", "sgd", "--warmup-epochs", "0", "--seed", "3")
+
+
+def _weights(path):
+    import tensorflow as tf
+
+    return tf.keras.models.load_model(path / "model.keras").get_weights()
+
+
+def _max_diff(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(_weights(a), _weights(b)))
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def test_killed_and_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(tmp_path):
+    flags = FAST + ("--epochs", "10")
+    straight = train(2, "mpirun", tmp_path / "straight", *flags)
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(command(2, "mpirun", ["-m", "hvdtrain", "--output-dir", str(run_dir), *flags]),
+                            cwd=ROOT, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    index = run_dir / "checkpoints" / "checkpoint"
+    deadline = time.monotonic() + 120
+    while not index.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole job, launcher and workers, mid-training
+    proc.wait()
+    resumed = train(2, "mpirun", run_dir, *flags)
+    assert 1 <= resumed["first_epoch"] < 10, "the kill should land before the last epoch"
+    assert resumed["weights_sha256_by_rank"] == straight["weights_sha256_by_rank"]
+
+
+def test_only_the_last_k_checkpoints_are_kept_and_resume_path_restarts_from_one(tmp_path):
+    train(1, None, tmp_path / "a", *FAST, "--epochs", "4", "--keep-checkpoints", "2")
+    ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("ckpt-*.index"))
+    assert ckpts == ["ckpt-3.index", "ckpt-4.index"]
+    meta = json.loads((tmp_path / "a" / "checkpoints" / "config.json").read_text())
+    assert meta["epoch"] == 4 and meta["config"]["keep_checkpoints"] == 2
+    again = train(2, "gloo", tmp_path / "b", *FAST, "--epochs", "5",
+                  "--resume", str(tmp_path / "a" / "checkpoints" / "ckpt-3"))
+    assert again["first_epoch"] == 3 and again["epochs_run"] == 2
+
+
+# ---------------------------------------------------------------- gradients
+
+def test_accumulating_two_passes_on_two_workers_equals_one_worker_with_four_times_the_batch(tmp_path):
+    train(2, "gloo", tmp_path / "acc", *EXACT, "--epochs", "1", "--steps-per-epoch", "12",
+          "--batch-size", "8", "--backward-passes-per-step", "2", "--lr", "0.05")
+    train(1, None, tmp_path / "big", *EXACT, "--epochs", "1", "--steps-per-epoch", "6",
+          "--batch-size", "32", "--lr", "0.2")
+    assert _max_diff(tmp_path / "acc", tmp_path / "big") < 1e-5
+
+
+def test_clipping_applies_to_the_averaged_gradient(tmp_path):
+    clip = ("--clip-norm", "0.05", "--epochs", "1")
+    train(2, "gloo", tmp_path / "two", *EXACT, *clip, "--batch-size", "16", "--lr", "0.5")
+    train(1, None, tmp_path / "one", *EXACT, *clip, "--batch-size", "32", "--lr", "1.0")
+    train(1, None, tmp_path / "free", *EXACT, "--epochs", "1", "--batch-size", "32", "--lr", "1.0")
+    assert _max_diff(tmp_path / "two", tmp_path / "one") < 1e-5
+    assert _max_diff(tmp_path / "one", tmp_path / "free") > 1e-3  # the clip was active
+
+
+@pytest.mark.parametrize("launcher, flags", [
+    ("gloo", ("--compression", "fp16")),
+    ("mpi", ("--reduction", "adasum")),
+], ids=["fp16-compression", "adasum"])
+def test_compression_and_adasum_train_and_keep_ranks_identical(launcher, flags, out):
+    s = train(2, launcher, out, "--model", "mlp", "--data", "digits", "--epochs", "4", *flags)
+    assert len(set(s["weights_sha256_by_rank"])) == 1
+    assert s["metrics"]["val_accuracy"] > 0.85
+
+
+def test_sparse_embedding_gradients_allreduced_as_dense_in_the_example(out):
+    s = train(2, "gloo", out, "--config", "examples/text_classifier.yaml")
+    assert s["config"]["sparse_as_dense"] is True and len(set(s["weights_sha256_by_rank"])) == 1
+    assert s["metrics"]["val_accuracy"] > 0.85
+
+
+@pytest.mark.parametrize("precision, loss_scaling", [("mixed_float16", True), ("mixed_bfloat16", False)])
+def test_mixed_precision_trains_with_loss_scaling_where_needed(precision, loss_scaling, out):
+    s = train(2, "gloo", out, *FAST, "--epochs", "3", "--precision", precision)
+    assert s["precision"] == {"policy": precision, "loss_scaling": loss_scaling}
+    assert len(set(s["weights_sha256_by_rank"])) == 1 and np.isfinite(s["metrics"]["loss"])
+
+
+# ---------------------------------------------------------------- schedules and knobs
+
+def test_step_schedule_multiplies_the_scaled_lr_at_each_milestone(out):
+    s = train(2, "gloo", out, *FAST, "--epochs", "5", "--lr", "0.01", "--warmup-epochs", "1",
+              "--lr-schedule", "step", "--lr-decay-epochs", "2", "4", "--lr-decay-factor", "0.5")
+    assert s["metrics"]["lr"] == pytest.approx(0.01 * 2 * 0.25, rel=1e-5)
+
+
+def test_cosine_schedule_decays_to_almost_zero(out):
+    s = train(1, None, out, *FAST, "--epochs", "4", "--lr", "0.01", "--lr-schedule", "cosine")
+    assert s["metrics"]["lr"] < 0.01 * 0.05
+
+
+def test_timeline_is_written_by_rank0_as_a_chrome_trace(tmp_path):
+    timeline = tmp_path / "timeline.json"
+    train(2, "gloo", tmp_path / "run", *FAST, "--epochs", "1", "--horovod-timeline", str(timeline),
+          "--fusion-threshold-mb", "32", "--cycle-time-ms", "2", "--stall-check-seconds", "30")
+    text = timeline.read_text()
+    assert text.startswith("[") and "ALLREDUCE" in text
+
+
+def test_same_seed_gives_bit_identical_weights_twice(tmp_path):
+    a = train(2, "gloo", tmp_path / "a", *FAST, "--epochs", "2", "--seed", "5")
+    b = train(2, "gloo", tmp_path / "b", *FAST, "--epochs", "2", "--seed", "5")
+    c = train(2, "gloo", tmp_path / "c", *FAST, "--epochs", "2", "--seed", "6")
+    assert a["weights_sha256_by_rank"] == b["weights_sha256_by_rank"]
+    assert a["weights_sha256_by_rank"] != c["weights_sha256_by_rank"]
+
+
+# ---------------------------------------------------------------- stopping
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
+def test_nan_loss_on_one_worker_stops_every_worker_at_the_same_step(launcher, tmp_path):
+    proc = launch(2, launcher, ["-m", "hvdtrain", "--data", "userdata:nan_on_rank_1", "--no-shuffle",
+                                "--batch-size", "8", "--output-dir", str(tmp_path)], timeout=120)
+    assert proc.returncode != 0
+    ours = [l for l in proc.stdout.splitlines() if "hvdtrain: error:" in l]
+    assert len(ours) == 1 and "NaN or infinite at epoch 1, step 1" in ours[0], proc.stdout[-3000:]
+
+
+def test_early_stopping_decides_on_averaged_metrics_and_keeps_the_best_weights(out):
+    s = train(2, "gloo", out, *FAST, "--epochs", "20", "--lr", "1e-9", "--monitor", "val_accuracy",
+              "--early-stopping-patience", "1")
+    assert s["epochs_run"] == 2  # no improvement after the first epoch: stop after 1 more
+    assert (out / "best.weights.h5").is_file()
+
+
+def test_examples_run_from_their_yaml(out):
+    s = train(2, "gloo", out, "--config", "examples/small_cnn.yaml")
+    assert s["config"]["model"] == "examples.small_cnn:model" and s["metrics"]["val_accuracy"] > 0.9
+
+
+def test_a_checkpoint_of_another_model_is_refused_not_half_restored(tmp_path):
+    train(1, None, tmp_path, *FAST, "--epochs", "1")
+    proc = launch(1, None, ["-m", "hvdtrain", "--output-dir", str(tmp_path), "--model", "cnn",
+                            "--data", "digits", "--epochs", "2"], timeout=120)
+    assert proc.returncode == 2
+    assert "belongs to a different job (model: 'mlp' there, 'cnn' now)" in proc.stdout

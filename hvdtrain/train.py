@@ -129,25 +129,30 @@ def weights_sha256(model) -> str:
 
 
 def _throughput_callback(batch_size: int):
-    """Samples/s of this worker from the end of the first step (graph tracing excluded) to the end."""
+    """Samples/s of this worker over training steps only: validation and the first step (graph
+    tracing) are left out."""
     import tensorflow as tf
 
     class Throughput(tf.keras.callbacks.Callback):
-        start, steps, wall = None, 0, 0.0
+        steps, busy = 0, 0.0
+        started = last_end = None
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0 and self.last_end is not None:  # a new epoch: restart the clock
+                self.started = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
-            if self.start is None:
-                self.start = time.perf_counter()
+            now = time.perf_counter()
+            if self.started is None:  # the first step of the run: tracing, not training
+                self.started = now
             else:
                 self.steps += 1
-
-        def on_train_end(self, logs=None):
-            if self.start is not None:
-                self.wall = time.perf_counter() - self.start
+                self.busy += now - (self.last_end if self.last_end and batch else self.started)
+            self.last_end = now
 
         @property
         def samples_per_sec(self) -> float:
-            return self.steps * batch_size / self.wall if self.wall > 0 else 0.0
+            return self.steps * batch_size / self.busy if self.busy > 0 else 0.0
 
     return Throughput()
 

@@ -1,0 +1,427 @@
+"""`hvdtrain bench`: how fast, how well it scales, and against what, measured in one run.
+
+  scaling     the same model at 1..N workers: samples/s per worker and in total, and the scaling
+              efficiency total(N) / (N x one worker), every worker at the same thread budget
+  allreduce   hvd.allreduce bus bandwidth over sizes, beside mpi4py's Allreduce and a memcpy (the
+              ceiling), busbw = algbw x 2(n-1)/n as nccl-tests define it
+  baseline    hvdtrain at 1 worker against a plain Keras model.fit of the same model and data
+  peers       tf.distribute.MultiWorkerMirroredStrategy (synchronous) and ParameterServerStrategy
+              (asynchronous) on the same model and data: throughput, and accuracy after as many samples
+
+Writes bench.json and scaling.png in --out, and prints the figures side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .config import UserError
+
+PY = sys.executable
+BIN = Path(PY).parent
+
+
+def _env(extra=None):
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
+    env.update(extra or {})
+    return env
+
+
+def _run(cmd, timeout, env=None):
+    proc = subprocess.run(cmd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise UserError(f"bench: {' '.join(map(str, cmd[:8]))} ... failed:\n{proc.stdout[-2000:]}")
+    return proc.stdout
+
+
+def _launcher(n: int, controller: str, hosts: str | None):
+    where = hosts or f"localhost:{n}"
+    if controller == "mpirun":
+        return ["mpirun", "-np", str(n), "--bind-to", "none", "-x", "TF_CPP_MIN_LOG_LEVEL", "-x", "PATH"]
+    return [str(BIN / "horovodrun"), "-np", str(n), "-H", where, f"--{controller}"]
+
+
+# ---------------------------------------------------------------- throughput scaling
+
+def train_flags(args, steps: int):
+    shape = [str(args.image_size)] * 2 + ["3"]
+    return ["--model", args.model, "--data", "synthetic", "--synthetic-shape", *shape,
+            "--synthetic-samples", str(args.batch_size * steps * args.max_workers * 2),
+            "--val-split", "0.01", "--batch-size", str(args.batch_size), "--epochs", "2",
+            "--steps-per-epoch", str(steps), "--optimizer", "momentum", "--threads", str(args.threads),
+            "--checkpoint-every", "0", "--no-keep-best", "--no-tensorboard", "--no-save-model",
+            "--no-worker-logs", "--verbose", "0"]
+
+
+def scaling(args, out: Path) -> dict:
+    rows = []
+    for controller in args.controllers:
+        for n in args.workers:
+            run_dir = out / f"scaling-{controller}-{n}"
+            cmd = ([PY] if n == 1 else _launcher(n, controller, args.hosts) + [PY]) + \
+                ["-m", "hvdtrain", "--output-dir", str(run_dir), *train_flags(args, args.steps)]
+            _run(cmd, timeout=args.timeout)
+            s = json.loads((run_dir / "summary.json").read_text())
+            rows.append({"controller": controller, "workers": n,
+                         "samples_per_sec_total": s["samples_per_sec_total"],
+                         "samples_per_sec_per_worker": s["samples_per_sec_per_worker"]})
+    for r in rows:
+        one = next((x for x in rows if x["workers"] == 1 and x["controller"] == r["controller"]), None)
+        if one and one["samples_per_sec_total"]:
+            r["efficiency"] = r["samples_per_sec_total"] / (r["workers"] * one["samples_per_sec_total"])
+    return {"model": args.model, "image_size": args.image_size, "batch_size_per_worker": args.batch_size,
+            "threads_per_worker": args.threads, "rows": rows}
+
+
+# ---------------------------------------------------------------- allreduce bandwidth
+
+def allreduce_sizes(lo: int, hi: int):
+    size = lo
+    while size <= hi:
+        yield size
+        size *= 4
+
+
+def allreduce_worker(args) -> int:
+    """Runs on every rank under mpirun/horovodrun; rank 0 prints one JSON line."""
+    import numpy as np
+
+    try:
+        from mpi4py import MPI  # first, so that Horovod's MPI controller shares MPI with it
+    except ImportError:
+        MPI = None
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    hvd.init()
+    n = hvd.size()
+    use_mpi4py = MPI is not None and hvd.mpi_enabled() and MPI.COMM_WORLD.Get_size() == n
+    rows = []
+    for size in allreduce_sizes(args.min_bytes, args.max_bytes):
+        count = size // 4
+        reps = max(3, min(50, (64 << 20) // size))
+        row = {"bytes": size}
+        x = tf.ones([count], tf.float32)
+        for _ in range(2):
+            hvd.allreduce(x, op=hvd.Sum, name=f"bench.{size}")
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            hvd.allreduce(x, op=hvd.Sum, name=f"bench.{size}").numpy()
+        row["horovod_s"] = (time.perf_counter() - t0) / reps
+        if use_mpi4py:
+            a, b = np.ones(count, np.float32), np.empty(count, np.float32)
+            MPI.COMM_WORLD.Allreduce(a, b, op=MPI.SUM)
+            MPI.COMM_WORLD.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                MPI.COMM_WORLD.Allreduce(a, b, op=MPI.SUM)
+            row["mpi4py_s"] = (time.perf_counter() - t0) / reps
+        src, dst = np.ones(count, np.float32), np.empty(count, np.float32)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            np.copyto(dst, src)
+        row["memcpy_s"] = (time.perf_counter() - t0) / reps
+        for key in ("horovod", "mpi4py", "memcpy"):
+            if f"{key}_s" in row:
+                algbw = size / row[f"{key}_s"] / 1e9
+                row[f"{key}_algbw_GBps"] = algbw
+                # memcpy moves the bytes once: its bandwidth is the ceiling for one pass, not a bus figure
+                row[f"{key}_busbw_GBps"] = algbw * (2 * (n - 1) / n if key != "memcpy" else 1)
+        rows.append(row)
+    if hvd.rank() == 0:
+        print("BENCH " + json.dumps({"workers": n, "controller": "mpi" if hvd.mpi_enabled() else "gloo",
+                                     "rows": rows}), flush=True)
+    return 0
+
+
+def allreduce(args) -> list:
+    results = []
+    for controller in args.controllers:
+        n = max(args.workers)
+        if n < 2:
+            continue
+        launcher = _launcher(n, "mpirun" if controller == "mpi" else controller, args.hosts)
+        out = _run(launcher + [PY, "-m", "hvdtrain", "bench", "--worker", "allreduce",
+                               "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes)],
+                   timeout=args.timeout)
+        line = next(l for l in out.splitlines() if "BENCH " in l)
+        results.append(json.loads(line.split("BENCH ", 1)[1]))
+    return results
+
+
+# ---------------------------------------------------------------- 1 worker against plain Keras
+
+def keras_baseline(args, out: Path) -> dict:
+    steps = args.steps
+    run_dir = out / "baseline-hvdtrain"
+    _run([PY, "-m", "hvdtrain", "--output-dir", str(run_dir), *train_flags(args, steps)], timeout=args.timeout)
+    ours = json.loads((run_dir / "summary.json").read_text())["samples_per_sec_total"]
+    plain = _run([PY, "-m", "hvdtrain", "bench", "--worker", "keras", "--model", args.model,
+                  "--image-size", str(args.image_size), "--batch-size", str(args.batch_size),
+                  "--steps", str(steps), "--threads", str(args.threads)], timeout=args.timeout)
+    keras = json.loads(plain.split("BENCH ", 1)[1].splitlines()[0])["samples_per_sec"]
+    return {"hvdtrain_1_worker": ours, "plain_keras_fit": keras, "ratio": ours / keras if keras else None}
+
+
+def keras_worker(args) -> int:
+    """A plain Keras model.fit, no Horovod: what a user would write without us."""
+    import numpy as np
+    import tensorflow as tf
+
+    from . import models
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(min(2, args.threads))
+    shape = (args.image_size, args.image_size, 3)
+    n = args.batch_size * (args.steps * 2 + 1)
+    x = np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32)
+    y = np.random.default_rng(1).integers(0, 10, n)
+    model = models.build(args.model, shape, 10)
+    model.compile(tf.keras.optimizers.SGD(0.01, momentum=0.9),
+                  tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size, drop_remainder=True).repeat()
+    model.fit(ds, epochs=1, steps_per_epoch=1, verbose=0)  # tracing, as hvdtrain's first step
+    t0 = time.perf_counter()
+    model.fit(ds, epochs=2, steps_per_epoch=args.steps, verbose=0)
+    print("BENCH " + json.dumps({"samples_per_sec": 2 * args.steps * args.batch_size
+                                 / (time.perf_counter() - t0)}), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- tf.distribute peers
+
+def _free_ports(k):
+    socks = [socket.socket() for _ in range(k)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def peers(args, out: Path) -> dict:
+    """Synchronous allreduce (Horovod, MWMS) against asynchronous parameter servers, on digits/cnn."""
+    n = max(args.workers)
+    res = {"model": "cnn", "data": "digits", "workers": n, "epochs": args.peer_epochs}
+    run_dir = out / "peer-horovod"
+    flags = ["--model", "cnn", "--data", "digits", "--epochs", str(args.peer_epochs), "--batch-size", "32",
+             "--lr", "0.001", "--warmup-epochs", "0", "--checkpoint-every", "0", "--no-keep-best",
+             "--no-tensorboard", "--no-save-model", "--no-worker-logs", "--verbose", "0",
+             "--threads", str(args.threads)]
+    _run(_launcher(n, args.controllers[0], args.hosts) + [PY, "-m", "hvdtrain", "--output-dir",
+                                                          str(run_dir), *flags], timeout=args.timeout)
+    s = json.loads((run_dir / "summary.json").read_text())
+    res["horovod"] = {"samples_per_sec": s["samples_per_sec_total"], "val_accuracy": s["metrics"]["val_accuracy"]}
+    for kind in ("mwms", "ps"):
+        try:
+            res[kind] = _tf_distribute(kind, n, args)
+        except (UserError, subprocess.TimeoutExpired) as e:
+            res[kind] = {"error": str(e).splitlines()[-1][:300]}
+    return res
+
+
+def _tf_distribute(kind: str, n: int, args) -> dict:
+    ports = _free_ports(n + 2)
+    if kind == "mwms":
+        cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:n]]}
+        roles = [("worker", i) for i in range(n)]
+    else:
+        cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:n]], "ps": [f"127.0.0.1:{ports[n]}"],
+                   "chief": [f"127.0.0.1:{ports[n + 1]}"]}
+        roles = [("worker", i) for i in range(n)] + [("ps", 0), ("chief", 0)]
+    procs = []
+    for job, i in roles:
+        env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": job, "index": i}})}
+        procs.append(subprocess.Popen([PY, "-m", "hvdtrain", "bench", "--worker", kind, "--threads",
+                                       str(args.threads), "--peer-epochs", str(args.peer_epochs)],
+                                      env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    reporter = procs[0] if kind == "mwms" else procs[-1]
+    try:
+        text, _ = reporter.communicate(timeout=args.timeout)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    if "BENCH " not in text:
+        raise UserError(f"{kind} failed: {text[-1500:]}")
+    return json.loads(text.split("BENCH ", 1)[1].splitlines()[0])
+
+
+def tf_distribute_worker(kind: str, args) -> int:
+    import numpy as np
+    import tensorflow as tf
+
+    from . import config, data, models
+    from .runtime import World
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    if kind == "ps" and task["type"] in ("worker", "ps"):
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        server = tf.distribute.Server(resolver.cluster_spec(), job_name=task["type"],
+                                      task_index=task["index"], protocol="grpc", start=True)
+        server.join()
+        return 0
+    if kind == "mwms":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        n = strategy.num_replicas_in_sync
+    else:
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        strategy = tf.distribute.ParameterServerStrategy(resolver)
+        n = len(resolver.cluster_spec().as_dict()["worker"])
+    cfg = config.Config(model="cnn", data="digits", batch_size=32, seed=1)
+    x, y, xv, yv = data._digits(cfg, None)
+    steps = len(x) // (32 * n)
+    with strategy.scope():
+        model = models.build("cnn", x.shape[1:], 10)
+        model.compile(tf.keras.optimizers.Adam(0.001 * n),
+                      tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    global_batch = 32 * n
+
+    def make(input_context=None):
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=1).repeat()
+        return ds.batch(global_batch if input_context is None else 32, drop_remainder=True)
+
+    source = tf.keras.utils.experimental.DatasetCreator(make) if kind == "ps" else make()
+    model.fit(source, epochs=1, steps_per_epoch=1, verbose=0)
+    t0 = time.perf_counter()
+    model.fit(source, epochs=args.peer_epochs, steps_per_epoch=steps, verbose=0)
+    wall = time.perf_counter() - t0
+    local = models.build("cnn", x.shape[1:], 10)  # evaluated outside the strategy, as for Horovod's rank 0
+    local.set_weights(model.get_weights())
+    acc = float(np.mean(np.argmax(local.predict(xv, batch_size=256, verbose=0), axis=1) == yv))
+    if kind == "ps" or task["index"] == 0:
+        print("BENCH " + json.dumps({"samples_per_sec": args.peer_epochs * steps * global_batch / wall,
+                                     "val_accuracy": float(acc)}), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- report
+
+def plot(results: dict, path: Path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for controller in {r["controller"] for r in results["scaling"]["rows"]}:
+        rows = [r for r in results["scaling"]["rows"] if r["controller"] == controller]
+        axes[0].plot([r["workers"] for r in rows], [r["samples_per_sec_total"] for r in rows], "o-",
+                     label=controller)
+    if results["scaling"]["rows"]:
+        one = results["scaling"]["rows"][0]["samples_per_sec_total"]
+        ws = sorted({r["workers"] for r in results["scaling"]["rows"]})
+        axes[0].plot(ws, [one * w for w in ws], "k--", label="linear")
+    axes[0].set(xlabel="workers", ylabel="samples/s", title="throughput")
+    for run in results.get("allreduce", []):
+        rows = run["rows"]
+        for key in ("horovod", "mpi4py", "memcpy"):
+            if f"{key}_busbw_GBps" in rows[0]:
+                axes[1].plot([r["bytes"] for r in rows], [r[f"{key}_busbw_GBps"] for r in rows], "o-",
+                             label=f"{key} ({run['controller']})" if key == "horovod" else key)
+    axes[1].set(xscale="log", xlabel="bytes", ylabel="GB/s (busbw)", title="allreduce")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return str(path)
+
+
+def report(results: dict) -> str:
+    lines = [f"== throughput: {results['scaling']['model']} {results['scaling']['image_size']}px, batch "
+             f"{results['scaling']['batch_size_per_worker']}/worker, {results['scaling']['threads_per_worker']} "
+             f"thread(s)/worker"]
+    for r in results["scaling"]["rows"]:
+        lines.append(f"  {r['controller']:7} {r['workers']} worker(s): {r['samples_per_sec_total']:9.1f} samples/s"
+                     f"  efficiency {r.get('efficiency', float('nan')):.1%}")
+    for run in results.get("allreduce", []):
+        lines.append(f"== allreduce busbw GB/s ({run['workers']} workers, {run['controller']})")
+        lines.append(f"  {'bytes':>10} {'horovod':>8} {'mpi4py':>8} {'memcpy':>8}  horovod/mpi4py")
+        for r in run["rows"]:
+            ratio = r["horovod_busbw_GBps"] / r["mpi4py_busbw_GBps"] if "mpi4py_busbw_GBps" in r else None
+            lines.append(f"  {r['bytes']:>10} {r['horovod_busbw_GBps']:8.2f} {r.get('mpi4py_busbw_GBps', 0):8.2f}"
+                         f" {r['memcpy_busbw_GBps']:8.2f}  {f'{ratio:.0%}' if ratio else '-'}")
+    if "baseline" in results:
+        b = results["baseline"]
+        lines.append(f"== 1 worker: hvdtrain {b['hvdtrain_1_worker']:.1f} vs plain Keras {b['plain_keras_fit']:.1f}"
+                     f" samples/s (ratio {b['ratio']:.3f})")
+    if "peers" in results:
+        p = results["peers"]
+        lines.append(f"== peers ({p['workers']} workers, cnn on digits, {p['epochs']} epochs)")
+        for k in ("horovod", "mwms", "ps"):
+            v = p.get(k, {})
+            lines.append(f"  {k:8} " + (f"{v['samples_per_sec']:9.1f} samples/s  val_accuracy {v['val_accuracy']:.3f}"
+                                        if "samples_per_sec" in v else f"failed: {v.get('error')}"))
+    return "\n".join(lines)
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="hvdtrain bench", description=__doc__.splitlines()[0])
+    cores = len(os.sched_getaffinity(0))
+    p.add_argument("--workers", type=lambda s: [int(v) for v in s.split(",")],
+                   default=list(range(1, cores + 1)), help="worker counts, e.g. 1,2,4 (default 1..cores)")
+    p.add_argument("-H", "--hosts", help="host list for horovodrun beyond this machine (host:slots,...)")
+    p.add_argument("--controllers", type=lambda s: s.split(","), default=["gloo", "mpi"],
+                   help="horovodrun controllers to compare: gloo,mpi")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20, help="measured steps per epoch (2 epochs)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker, the same at every N")
+    p.add_argument("--min-bytes", type=int, default=4 << 10)
+    p.add_argument("--max-bytes", type=int, default=256 << 20)
+    p.add_argument("--peer-epochs", type=int, default=3)
+    p.add_argument("--sections", type=lambda s: s.split(","), default=["scaling", "allreduce", "baseline", "peers"])
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--out", default="runs/bench")
+    p.add_argument("--worker", choices=["allreduce", "keras", "mwms", "ps"], help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv) -> int:
+    args = parser().parse_args(argv)
+    if args.worker == "allreduce":
+        return allreduce_worker(args)
+    if args.worker == "keras":
+        return keras_worker(args)
+    if args.worker in ("mwms", "ps"):
+        return tf_distribute_worker(args.worker, args)
+    args.max_workers = max(args.workers)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"host": socket.gethostname(), "cores": len(os.sched_getaffinity(0)),
+               "args": {k: v for k, v in vars(args).items() if k != "worker"},
+               "scaling": {"model": args.model, "image_size": args.image_size,
+                           "batch_size_per_worker": args.batch_size, "threads_per_worker": args.threads,
+                           "rows": []}}
+    if "scaling" in args.sections:
+        results["scaling"] = scaling(args, out)
+    if "allreduce" in args.sections:
+        results["allreduce"] = allreduce(args)
+    if "baseline" in args.sections:
+        results["baseline"] = keras_baseline(args, out)
+    if "peers" in args.sections:
+        results["peers"] = peers(args, out)
+    (out / "bench.json").write_text(json.dumps(results, indent=2))
+    results["plot"] = plot(results, out / "scaling.png")
+    print(report(results))
+    print(f"wrote {out / 'bench.json'}" + (f" and {results['plot']}" if results["plot"] else ""))
+    return 0

@@ -83,6 +83,8 @@ class Config:
     horovod_timeline: Optional[str] = _f(None, "write Horovod's Chrome-trace timeline here (rank 0)")
     stall_check_seconds: Optional[int] = _f(None, "warn when a rank has not joined an allreduce "
                                                   "for this long (Horovod default 60)")
+    stall_shutdown_seconds: Optional[int] = _f(None, "end the job when a rank has stalled for this "
+                                                     "long (Horovod default: never)")
     fusion_threshold_mb: Optional[float] = _f(None, "tensor fusion buffer in MiB (Horovod default 128)")
     cycle_time_ms: Optional[float] = _f(None, "Horovod background cycle time in ms (default 1)")
     autotune: bool = _f(False, "let Horovod tune fusion threshold and cycle time")
@@ -112,7 +114,7 @@ class Config:
                               ("precision", PRECISIONS), ("lr_schedule", SCHEDULES)):
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{_flag(name)} must be one of {', '.join(allowed)}, "
-                                f"got '{getattr(self, name)}'")
+                                f"got {getattr(self, name)!r}")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise UserError(f"--clip-norm must be positive, got {self.clip_norm}")
         if list(self.lr_decay_epochs) != sorted(set(self.lr_decay_epochs)) or \
@@ -121,26 +123,26 @@ class Config:
                             f"got {list(self.lr_decay_epochs)}")
         if self.lr_schedule == "step" and not self.lr_decay_epochs:
             raise UserError("--lr-schedule step needs --lr-decay-epochs, e.g. --lr-decay-epochs 30 60")
-        for name in ("fusion_threshold_mb", "cycle_time_ms", "stall_check_seconds"):
+        for name in ("fusion_threshold_mb", "cycle_time_ms", "stall_check_seconds", "stall_shutdown_seconds"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise UserError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         if self.resume and not (os.path.exists(self.resume) or os.path.exists(self.resume + ".index")):
-            raise UserError(f"--resume {self.resume}: no such checkpoint")
+            raise UserError(f"--resume {self.resume!r}: no such checkpoint")
         if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"unknown optimizer '{self.optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
+            raise UserError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.model not in MODELS and not _is_module_ref(self.model):
-            raise UserError(f"unknown model '{self.model}'; choose one of {', '.join(MODELS)} "
+            raise UserError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)} "
                             "or give module:function")
         kind, _, arg = self.data.partition(":")
         if kind in ("npz", "tfrecord"):
             if not arg:
-                raise UserError(f"--data {kind}: needs a path, e.g. {kind}:/data/train.{kind}")
+                raise UserError(f"--data {kind!r}: needs a path, e.g. {kind}:/data/train.{kind}")
             if kind == "npz" and not os.path.isfile(arg):
-                raise UserError(f"--data {self.data}: no such file")
+                raise UserError(f"--data {self.data!r}: no such file")
         elif kind in ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10") and not arg:
             pass
         elif not _is_module_ref(self.data):
-            raise UserError(f"unknown data source '{self.data}'; choose one of {', '.join(DATA_SOURCES)}")
+            raise UserError(f"unknown data source {self.data!r}; choose one of {', '.join(DATA_SOURCES)}")
         return self
 
     @property
@@ -168,6 +170,8 @@ class Config:
             env["HOROVOD_TIMELINE"] = os.path.abspath(self.horovod_timeline)
         if self.stall_check_seconds:
             env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(self.stall_check_seconds)
+        if self.stall_shutdown_seconds:
+            env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(self.stall_shutdown_seconds)
         if self.fusion_threshold_mb:
             env["HOROVOD_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_mb * 1024 * 1024))
         if self.cycle_time_ms:
@@ -233,15 +237,15 @@ def from_dict(values: dict) -> Config:
     for key, value in values.items():
         name = key.replace("-", "_")
         if name not in known:
-            raise UserError(f"unknown config key '{key}'; known keys: {', '.join(sorted(known))}")
+            raise UserError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
         kwargs[name] = _coerce(known[name], value, key)
     return Config(**kwargs)
 
 
 def _coerce(f, value, key):
-    if value is None:
-        return None
     t = str(f.type)
+    if value is None and "Optional" in t:
+        return None
     try:
         if "tuple" in t:
             if not isinstance(value, (list, tuple)):
@@ -264,7 +268,7 @@ def _coerce(f, value, key):
         return str(value)
     except (TypeError, ValueError):
         want = t.replace("Optional[", "").rstrip("]")
-        raise UserError(f"config key '{key}': expected {want}, got {value!r}") from None
+        raise UserError(f"config key {key!r}: expected {want}, got {value!r}") from None
 
 
 def _read_yaml(path: str) -> dict:

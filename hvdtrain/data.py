@@ -104,12 +104,23 @@ def _load_npz(cfg, path):
     for key in ("x", "y"):
         if key not in arrays:
             raise UserError(f"--data npz:{path}: no array '{key}' (has: {', '.join(arrays) or 'none'})")
-    x, y = arrays["x"].astype(np.float32), arrays["y"].astype(np.int64).reshape(-1)
+    x, y = arrays["x"].astype(np.float32), _labels(arrays["y"], f"npz:{path} y")
     if len(x) != len(y):
         raise UserError(f"--data npz:{path}: x has {len(x)} samples but y has {len(y)}")
     if "x_val" in arrays and "y_val" in arrays:
-        return x, y, arrays["x_val"].astype(np.float32), arrays["y_val"].astype(np.int64).reshape(-1)
+        return x, y, arrays["x_val"].astype(np.float32), _labels(arrays["y_val"], f"npz:{path} y_val")
     return _split(x, y, cfg.val_split)
+
+
+def _labels(y, what):
+    """Class indices: integers >= 0 (a float label like 2.5 or a -1 would train on garbage)."""
+    y = np.asarray(y).reshape(-1)
+    if y.size and (not np.all(np.isfinite(y.astype(np.float64))) or np.any(y != np.round(y))):
+        raise UserError(f"--data {what}: labels must be class indices (integers), got e.g. "
+                        f"{y[np.flatnonzero(y != np.round(y))[:1]].tolist() or 'NaN'}")
+    if y.size and y.min() < 0:
+        raise UserError(f"--data {what}: labels must be >= 0, got {int(y.min())}")
+    return y.astype(np.int64)
 
 
 def _split(x, y, val_split):

@@ -113,7 +113,7 @@ def all_ranks_agree(fn, *args, **kwargs):
     except UserError as e:
         error = str(e)
     except Exception as e:  # a bug or an environment problem: keep its traceback in this rank's log
-        log.exception("set-up failed on rank %d", _world.rank)
+        log.exception("set-up failed on rank %d", _world.rank, extra=FILE_ONLY)
         error = f"{type(e).__name__}: {e}"
     if _world.size > 1:
         errors = hvd.allgather_object(error)
@@ -129,6 +129,7 @@ def all_ranks_agree(fn, *args, **kwargs):
 
 
 EVERY_RANK = {"every_rank": True}
+FILE_ONLY = {"file_only": True}  # tracebacks: in the worker's log file, not on the terminal
 
 
 def setup_logging(log_file: str | None = None):
@@ -141,7 +142,8 @@ def setup_logging(log_file: str | None = None):
         log.removeHandler(h)
     h = logging.StreamHandler(sys.stderr)
     h.setFormatter(logging.Formatter(f"hvdtrain[{_world.rank}]: %(message)s"))
-    h.addFilter(lambda record: _world.is_chief or getattr(record, "every_rank", False))
+    h.addFilter(lambda record: (_world.is_chief or getattr(record, "every_rank", False))
+                and not getattr(record, "file_only", False))
     log.addHandler(h)
     if log_file:
         os.makedirs(os.path.dirname(log_file), exist_ok=True)

@@ -237,8 +237,8 @@ def run(cfg: Config) -> dict:
     runtime.setup_logging(os.path.join(cfg.run_dir, "logs", f"rank{world.rank}.log")
                           if cfg.worker_logs else None)
     host = socket.gethostname()
-    log.info("rank %d/%d (local %d/%d) on %s: %s", world.rank, world.size, world.local_rank,
-             world.local_size, host, world.device, extra=runtime.EVERY_RANK)
+    log.info("rank %d/%d (local %d/%d) on %s, pid %d: %s", world.rank, world.size, world.local_rank,
+             world.local_size, host, os.getpid(), world.device, extra=runtime.EVERY_RANK)
     tf.keras.utils.set_random_seed(cfg.seed)
     if cfg.deterministic:
         tf.config.experimental.enable_op_determinism()

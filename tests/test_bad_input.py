@@ -16,7 +16,7 @@ def worker_tracebacks(output: str) -> list:
 CASES = {
     "unknown model": (["--model", "vgg99"], "unknown model 'vgg99'"),
     "unknown data source": (["--data", "imagenet"], "unknown data source 'imagenet'"),
-    "missing npz": (["--data", "npz:/nonexistent/d.npz"], "npz:/nonexistent/d.npz: no such file"),
+    "missing npz": (["--data", "npz:/nonexistent/d.npz"], "'npz:/nonexistent/d.npz': no such file"),
     "missing tfrecords": (["--data", "tfrecord:/nonexistent/*.tfrecord"], "no files match"),
     "malformed yaml": (["--config", "{bad_yaml}"], "malformed YAML at line 3"),
     "missing yaml": (["--config", "/nonexistent.yaml"], "/nonexistent.yaml: no such file"),

@@ -1,0 +1,106 @@
+"""The docker-compose cluster: build the CPU image, train 2 nodes x 2 slots, read the shared volume.
+
+Slow the first time (debootstrap, apt, pip: ~10+ minutes); with the base image and Docker's layer
+cache warm, a few minutes. Needs a Docker daemon (scripts/docker_up.sh starts one as root).
+Run alone with `pytest -m docker`.
+"""
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, ROOT
+
+pytestmark = pytest.mark.docker
+
+IMAGE = os.environ.get("HVDTRAIN_IMAGE", "hvdtrain:cpu")
+PROJECT = "hvdtraintest"
+COMPOSE_FILE = ROOT / "docker" / "docker-compose.yml"
+WHEELS = ROOT / "docker" / "wheels"
+
+
+def sh(cmd, timeout, check=True, env=None):
+    """Run cmd (its own process group, ended on timeout); stdout+stderr together."""
+    full_env = dict(os.environ, HVDTRAIN_IMAGE=IMAGE, **(env or {}))
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))}: no end after {timeout} s\n{out[-4000:]}")
+    if check:
+        assert proc.returncode == 0, f"{' '.join(map(str, cmd))} -> {proc.returncode}\n{out[-6000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+@pytest.fixture(scope="module")
+def compose():
+    up = subprocess.run([str(ROOT / "scripts" / "docker_up.sh")], capture_output=True, text=True, timeout=600)
+    if up.returncode != 0:
+        why = (up.stderr.strip().splitlines() or [f"exit {up.returncode}"])[-1]
+        pytest.skip(f"docker cannot be started here: {why}")
+    base = up.stdout.strip().split() + ["-f", str(COMPOSE_FILE), "-p", PROJECT]
+    sh(base + ["down", "-v", "--remove-orphans"], timeout=180, check=False)
+    try:
+        yield base
+    finally:
+        sh(base + ["down", "-v", "--remove-orphans"], timeout=180, check=False)
+
+
+@pytest.fixture(scope="module")
+def image():
+    sh([ROOT / "scripts" / "docker_base.sh"], timeout=1200)
+    if not list(WHEELS.glob("horovod-0.28.1-*.whl")):
+        # pip takes it from its wheel cache when this machine built Horovod (seconds); else no matter
+        sh([PYTHON, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", WHEELS,
+            "horovod==0.28.1"], timeout=900, check=False,
+           env={"HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITH_MPI": "1", "HOROVOD_WITH_GLOO": "1",
+                "HOROVOD_WITHOUT_PYTORCH": "1", "HOROVOD_WITHOUT_MXNET": "1"})
+    sh(["docker", "build", "--network", "host", "-f", ROOT / "docker" / "Dockerfile", "-t", IMAGE, "."],
+       timeout=2400)
+    return IMAGE
+
+
+def read_volume(image, volume, code):
+    proc = sh(["docker", "run", "--rm", "--network", "none", "--entrypoint", "python", "-v", f"{volume}:/data",
+               image, "-c", code], timeout=120)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def workers(compose, image):
+    sh(compose + ["up", "-d", "worker1", "worker2"], timeout=300)   # keygen runs first
+    volumes = sh(["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"],
+                 timeout=60).stdout.split()
+    data = [v for v in volumes if v.endswith("_data")]
+    assert len(data) == 1, volumes
+    return data[0]
+
+
+@pytest.mark.parametrize("controller", ["mpi", "gloo"])
+def test_compose_two_nodes_train(compose, image, workers, controller):
+    """The launcher container is on the workers' network with the same interface name (eth0): both
+    controllers work (Gloo needs that; see docs/multinode.md)."""
+    out_dir = f"/data/runs/compose-{controller}"
+    job = ["horovodrun", "-np", "4", "-H", "worker1:2,worker2:2", f"--{controller}", "python", "-m", "hvdtrain",
+           "--model", "mlp", "--data", "digits", "--epochs", "2", "--steps-per-epoch", "5", "--verbose", "0",
+           "--output-dir", out_dir]
+    run = sh(compose + ["run", "--rm", "launcher", *job], timeout=600, check=False)
+    assert run.returncode == 0, run.stdout[-6000:]
+
+    found = read_volume(image, workers, (
+        f"import json, os; d = {out_dir!r}; "
+        "print(json.dumps({'summary': json.load(open(d + '/summary.json')), "
+        "'model_bytes': os.path.getsize(d + '/model.keras')}))"))
+    summary = found["summary"]
+    assert summary["world_size"] == 4
+    assert sorted(set(summary["hosts"])) == ["worker1", "worker2"], summary["hosts"]
+    digests = summary["weights_sha256_by_rank"]
+    digests = list(digests.values()) if isinstance(digests, dict) else list(digests)
+    assert len(digests) == 4 and len(set(digests)) == 1, digests
+    assert found["model_bytes"] > 0

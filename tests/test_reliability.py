@@ -1,0 +1,211 @@
+"""When things go wrong: a worker dies or hangs, a checkpoint write is torn, input is hostile."""
+import os
+import re
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT, command, job_env, launch, train
+from hvdtrain import config, hosts
+from hvdtrain.config import UserError
+
+LONG = ("--model", "mlp", "--data", "digits", "--epochs", "500", "--steps-per-epoch", "20", "--verbose", "0",
+        "--no-tensorboard")
+
+
+def _start(launcher, out, *extra):
+    return subprocess.Popen(command(2, launcher, ["-m", "hvdtrain", "--output-dir", str(out), *LONG, *extra]),
+                            cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _pid_of_rank(out, rank, proc, timeout=120, seen=()):
+    """Wait until the job trains (a checkpoint) and return the pid that rank logged (logs append
+    across runs in one output dir: the newest pid not in `seen`)."""
+    log, ckpt = out / "logs" / f"rank{rank}.log", out / "checkpoints" / "checkpoint"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ckpt.exists() and log.exists():
+            pids = [int(p) for p in re.findall(r"pid (\d+)", log.read_text()) if int(p) not in seen]
+            if pids:
+                return pids[-1]
+        time.sleep(0.1)
+    raise AssertionError(f"the job did not start training: {proc.stdout.read()[-3000:] if proc.poll() is not None else ''}")
+
+
+def _leftovers(out):
+    time.sleep(2)
+    ps = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    return [p for p in ps if int(p) != os.getpid()]
+
+
+@pytest.mark.parametrize("launcher", ["gloo", "mpi", "mpirun"])
+def test_a_killed_worker_ends_the_whole_job_naming_it_and_leaves_no_process(launcher, tmp_path):
+    proc = _start(launcher, tmp_path)
+    try:
+        os.kill(_pid_of_rank(tmp_path, 1, proc), signal.SIGKILL)
+        output, _ = proc.communicate(timeout=60)  # within 60 s, or the test fails
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    named = {"gloo": "Process name: 1", "mpi": "Process name: [[", "mpirun": "Process name: [["}[launcher]
+    assert named in output, output[-3000:]
+    assert "signal 9" in output or "Exit code: 137" in output or "Exit code: -9" in output or \
+        "exit code: 137" in output.lower(), output[-3000:]
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_hung_worker_is_reported_by_the_stall_check_with_its_tensors_and_the_job_ends(tmp_path):
+    proc = _start("gloo", tmp_path, "--stall-check-seconds", "2", "--stall-shutdown-seconds", "6")
+    pid = None
+    try:
+        pid = _pid_of_rank(tmp_path, 1, proc)
+        os.kill(pid, signal.SIGSTOP)  # rank 1 hangs: alive, silent
+        output, _ = proc.communicate(timeout=90)
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL) if _alive(pid) else None
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "Missing ranks:" in output and re.search(r"1: \[.*Allreduce", output), output[-3000:]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+# ---------------------------------------------------------------- checkpoints under fire
+
+def test_a_torn_checkpoint_write_leaves_the_previous_checkpoint_as_the_latest(tmp_path):
+    train(1, None, tmp_path, "--model", "mlp", "--data", "digits", "--epochs", "2", "--steps-per-epoch", "3")
+    ckpts = tmp_path / "checkpoints"
+    # rank 0 killed while writing ckpt-3: its data file is half there, the index never got updated
+    (ckpts / "ckpt-3.data-00000-of-00001").write_bytes(os.urandom(1000))
+    resumed = train(1, None, tmp_path, "--model", "mlp", "--data", "digits", "--epochs", "4",
+                    "--steps-per-epoch", "3")
+    assert resumed["first_epoch"] == 2 and resumed["epochs_run"] == 2
+
+
+def test_rank0_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
+    import tensorflow as tf
+
+    seen = set()
+    for delay in (0.0, 0.7, 1.9):  # different moments of the epoch/checkpoint cycle
+        proc = _start("gloo", tmp_path, "--checkpoint-every", "1")
+        try:
+            pid = _pid_of_rank(tmp_path, 0, proc, seen=seen)
+            seen.add(pid)
+            time.sleep(delay)
+            os.kill(pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+        assert latest and tf.train.load_checkpoint(latest).get_variable_to_shape_map()
+    resumed = train(2, "gloo", tmp_path, *LONG[:4], "--epochs", str(int(latest.rsplit("-", 1)[1]) + 1),
+                    "--steps-per-epoch", "20")
+    assert resumed["first_epoch"] == int(latest.rsplit("-", 1)[1]) and resumed["epochs_run"] == 1
+
+
+def test_a_corrupt_checkpoint_is_a_clear_error_and_is_left_as_it_was(tmp_path):
+    train(1, None, tmp_path, "--model", "mlp", "--data", "digits", "--epochs", "1", "--steps-per-epoch", "2")
+    data = tmp_path / "checkpoints" / "ckpt-1.data-00000-of-00001"
+    data.write_bytes(b"\0" * 100)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()}
+    proc = launch(1, None, ["-m", "hvdtrain", "--output-dir", str(tmp_path), "--epochs", "2"], timeout=120)
+    assert proc.returncode == 2
+    assert "hvdtrain: error: cannot restore checkpoint" in proc.stdout and "Traceback" not in proc.stdout
+    assert {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()} == before
+
+
+# ---------------------------------------------------------------- hostile data
+
+def _fails_with(tmp_path, data, message):
+    proc = launch(1, None, ["-m", "hvdtrain", "--data", data, "--output-dir", str(tmp_path / "run")], timeout=120)
+    assert proc.returncode == 2 and message in proc.stdout, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stdout
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_truncated_tfrecord_is_a_clear_error(tmp_path):
+    from hvdtrain.data import write_tfrecords
+
+    (path,) = write_tfrecords(np.zeros((50, 4), np.float32), np.zeros(50, np.int64), str(tmp_path / "t"), 1)
+    with open(path, "r+b") as fh:
+        fh.truncate(os.path.getsize(path) - 7)
+    _fails_with(tmp_path, f"tfrecord:{path}", "cannot read TFRecords")
+
+
+@pytest.mark.parametrize("y, message", [
+    (np.arange(99), "x has 100 samples but y has 99"),
+    (np.r_[np.zeros(99), -1], "labels must be >= 0, got -1"),
+    (np.r_[np.zeros(99), 2.5], "labels must be class indices (integers), got e.g. [2.5]"),
+], ids=["length-mismatch", "negative-label", "fractional-label"])
+def test_bad_npz_arrays_are_clear_errors(tmp_path, y, message):
+    np.savez(tmp_path / "d.npz", x=np.zeros((100, 4), np.float32), y=y)
+    _fails_with(tmp_path, f"npz:{tmp_path / 'd.npz'}", message)
+
+
+# ---------------------------------------------------------------- hostile config and host lists
+
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True),
+                   st.text(max_size=20), st.lists(st.integers(-3, 100), max_size=4))
+KEYS = st.one_of(st.sampled_from([f.replace("_", "-") for f in config.Config.__dataclass_fields__]),
+                 st.text(max_size=12))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(KEYS, VALUES, max_size=6))
+def test_any_config_mapping_parses_or_gets_a_clear_error(values):
+    values.pop("config", None)
+    try:
+        config.from_dict(values).validate()
+    except UserError as e:
+        assert str(e) and "\n" not in str(e)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=60))
+def test_any_host_list_parses_or_gets_a_clear_error(spec):
+    try:
+        entries = hosts.parse_spec(spec)
+        assert all(isinstance(h, str) and n >= 1 for h, n in entries)
+        assert len({h for h, _ in entries}) == len(entries)
+    except UserError as e:
+        assert str(e)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=30), max_size=6))
+def test_any_hostfile_parses_or_gets_one_error_per_bad_line(tmp_path, lines):
+    path = tmp_path / "hostfile"
+    path.write_text("\n".join(l.replace("\n", " ").replace("\r", " ") for l in lines))
+    try:
+        assert all(n >= 1 for _, n in hosts.parse_hostfile(str(path)))
+    except UserError as e:
+        for line in str(e).splitlines():
+            assert line.startswith(str(path))
+
+
+def test_hostfile_errors_name_each_bad_line(tmp_path):
+    path = tmp_path / "hostfile"
+    path.write_text("node1 slots=2\nnode2 slots=zero\n# a comment\nnode1 slots=4\nbad host line\n")
+    with pytest.raises(UserError) as e:
+        hosts.parse_hostfile(str(path))
+    assert str(e.value).splitlines() == [
+        f"{path}:2: slots must be a positive integer, got 'zero'",
+        f"{path}:4: host 'node1' is listed twice; give it one line with all its slots",
+        f"{path}:5: 'bad host line': expected 'host slots=N'",
+    ]

@@ -261,11 +261,22 @@ def run(cfg: Config) -> dict:
              "epochs %d..%d", model.name, cfg.data, data.num_samples, data.sharding,
              data.steps_per_epoch, cfg.batch_size, world.size, first_epoch + 1, cfg.epochs)
 
+    workers = _gather((host, os.getpid()), world)  # to say who is gone if a worker dies
     throughput, nonfinite = _throughput_callback(cfg.batch_size), _stop_on_nonfinite_loss()
-    history = model.fit(data.stream(first_epoch, cfg.epochs), epochs=cfg.epochs, initial_epoch=first_epoch,
-                        steps_per_epoch=data.steps_per_epoch, validation_data=data.val,
-                        callbacks=[nonfinite] + callbacks(cfg, data, world, ckpts) + [throughput],
-                        verbose=cfg.verbose if world.is_chief else 0)
+    try:
+        history = model.fit(data.stream(first_epoch, cfg.epochs), epochs=cfg.epochs,
+                            initial_epoch=first_epoch, steps_per_epoch=data.steps_per_epoch,
+                            validation_data=data.val,
+                            callbacks=[nonfinite] + callbacks(cfg, data, world, ckpts) + [throughput],
+                            verbose=cfg.verbose if world.is_chief else 0)
+    except Exception as e:
+        if world.size == 1 or "horovod" not in f"{type(e).__module__} {e}".lower():
+            raise
+        table = ", ".join(f"rank {r} on {h} (pid {p})" for r, (h, p) in enumerate(workers))
+        log.error("rank %d lost its peers during training (%s: %s). Workers were: %s. The launcher "
+                  "names the one that exited first.", world.rank, type(e).__name__,
+                  str(e).strip().splitlines()[0][:200], table, extra=runtime.EVERY_RANK)
+        raise SystemExit(1) from None
     if nonfinite.where:
         epoch, step = nonfinite.where
         raise UserError(f"the loss became NaN or infinite at epoch {epoch}, step {step}, on at least one "

@@ -54,35 +54,13 @@ def test_a_killed_worker_ends_the_whole_job_naming_it_and_leaves_no_process(laun
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
-    named = {"gloo": "Process name: 1", "mpi": "Process name: [[", "mpirun": "Process name: [["}[launcher]
-    assert named in output, output[-3000:]
-    assert "signal 9" in output or "Exit code: 137" in output or "Exit code: -9" in output or \
-        "exit code: 137" in output.lower(), output[-3000:]
+    if launcher == "gloo":  # horovodrun names the rank; the survivors name every rank's host
+        assert "Process name: 1\nExit code: 137" in output, output[-3000:]
+        assert re.search(r"lost its peers during training .*Workers were: rank 0 on \S+ \(pid \d+\), "
+                         r"rank 1 on \S+", output), output[-3000:]
+    else:  # OpenMPI names rank, host and signal itself
+        assert re.search(r"process rank 1 with PID \d+ on node \S+ exited on signal 9", output), output[-3000:]
     assert _leftovers(tmp_path) == []
-
-
-def test_a_hung_worker_is_reported_by_the_stall_check_with_its_tensors_and_the_job_ends(tmp_path):
-    proc = _start("gloo", tmp_path, "--stall-check-seconds", "2", "--stall-shutdown-seconds", "6")
-    pid = None
-    try:
-        pid = _pid_of_rank(tmp_path, 1, proc)
-        os.kill(pid, signal.SIGSTOP)  # rank 1 hangs: alive, silent
-        output, _ = proc.communicate(timeout=90)
-    finally:
-        if pid:
-            os.kill(pid, signal.SIGKILL) if _alive(pid) else None
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
-    assert "Missing ranks:" in output and re.search(r"1: \[.*Allreduce", output), output[-3000:]
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 # ---------------------------------------------------------------- checkpoints under fire

@@ -31,3 +31,4 @@ def nan_on_rank_1():
     x = np.random.default_rng(0).standard_normal((256, 4)).astype(np.float32)
     x[1] = np.nan
     return tf.data.Dataset.from_tensor_slices((x, np.zeros(256, np.int64) + (x[:, 0] > 0)))
+

@@ -18,7 +18,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -266,7 +265,6 @@ def tf_distribute_worker(kind: str, args) -> int:
     import tensorflow as tf
 
     from . import config, data, models
-    from .runtime import World
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     task = json.loads(os.environ["TF_CONFIG"])["task"]

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import glob
 import importlib
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 
 from .config import Config, UserError
+from . import runtime
 from .runtime import World
 
 SPLIT_SEED = 0  # the train/validation split does not move with --seed, so runs stay comparable
@@ -231,7 +231,7 @@ def _from_tfrecords(cfg: Config, world: World, pattern: str) -> Data:
     by_file = len(files) >= world.size
     mine = files[world.rank::world.size] if by_file else files
     count, top = _scan(mine, None if by_file else (world.size, world.rank))
-    counts_tops = _allgather((count, top), world)
+    counts_tops = runtime.gather((count, top))
     shard_min = min(c for c, _ in counts_tops)
     total = sum(c for c, _ in counts_tops)  # shards are disjoint either way
     steps = _steps(cfg, world, shard_min, total)
@@ -303,11 +303,3 @@ def _from_module(cfg: Config, world: World) -> Data:
     if val is not None:
         val = val.shard(world.size, world.rank).batch(cfg.batch_size)
     return Data(epoch, val, steps, shape, top + 1, n, "element")
-
-
-def _allgather(obj, world: World) -> list:
-    if world.size == 1:
-        return [obj]
-    import horovod.tensorflow as hvd
-
-    return hvd.allgather_object(obj)

@@ -263,7 +263,7 @@ def main(argv) -> int:
     if world.size > 1 or "HOROVOD_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
         world = _init_quietly()
     report = host_report(args) if world.local_rank == 0 else None
-    reports = [r for r in _gather(report, world) if r]
+    reports = [r for r in runtime.gather(report) if r]
     failed = any(r["status"] == ERROR for rep in reports for r in rep["results"])
     if world.is_chief:
         print(json.dumps({"hosts": reports, "ok": not failed}, indent=2) if args.json else render(reports),
@@ -276,14 +276,6 @@ def _init_quietly():
         return runtime.init()
     except Exception as e:  # report it: a doctor that crashes on a broken install is no doctor
         raise UserError(f"hvd.init() failed: {e}") from None
-
-
-def _gather(obj, world):
-    if world.size == 1:
-        return [obj]
-    import horovod.tensorflow as hvd
-
-    return hvd.allgather_object(obj)
 
 
 def render(reports) -> str:

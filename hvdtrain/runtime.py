@@ -100,13 +100,20 @@ def cpu_threads_per_worker(local_size: int) -> int:
     return max(1, cores // max(1, local_size))
 
 
+def gather(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank (a plain list with one worker)."""
+    if _world.size == 1:
+        return [obj]
+    import horovod.tensorflow as hvd
+
+    return hvd.allgather_object(obj)
+
+
 def all_ranks_agree(fn, *args, **kwargs):
     """Run a set-up step on every rank; if it failed on any rank, raise the same UserError on all.
 
     A rank that failed alone would otherwise leave the others blocked in their first allreduce.
     """
-    import horovod.tensorflow as hvd
-
     error, result = None, None
     try:
         result = fn(*args, **kwargs)
@@ -115,10 +122,7 @@ def all_ranks_agree(fn, *args, **kwargs):
     except Exception as e:  # a bug or an environment problem: keep its traceback in this rank's log
         log.exception("set-up failed on rank %d", _world.rank, extra=FILE_ONLY)
         error = f"{type(e).__name__}: {e}"
-    if _world.size > 1:
-        errors = hvd.allgather_object(error)
-    else:
-        errors = [error]
+    errors = gather(error)
     failed = [r for r, e in enumerate(errors) if e]
     if failed:
         first = errors[failed[0]]

@@ -261,7 +261,7 @@ def run(cfg: Config) -> dict:
              "epochs %d..%d", model.name, cfg.data, data.num_samples, data.sharding,
              data.steps_per_epoch, cfg.batch_size, world.size, first_epoch + 1, cfg.epochs)
 
-    workers = _gather((host, os.getpid()), world)  # to say who is gone if a worker dies
+    workers = runtime.gather((host, os.getpid()))  # to say who is gone if a worker dies
     throughput, nonfinite = _throughput_callback(cfg.batch_size), _stop_on_nonfinite_loss()
     try:
         history = model.fit(data.stream(first_epoch, cfg.epochs), epochs=cfg.epochs,
@@ -283,10 +283,10 @@ def run(cfg: Config) -> dict:
                         f"worker; every worker stopped there. Lower --lr, add --clip-norm, or check the "
                         f"data for NaN/Inf")
 
-    per_worker = _gather(throughput.samples_per_sec, world)
+    per_worker = runtime.gather(throughput.samples_per_sec)
     summary = {
         "world_size": world.size,
-        "hosts": sorted(set(_gather(host, world))),
+        "hosts": sorted(set(runtime.gather(host))),
         "epochs": cfg.epochs,
         "first_epoch": first_epoch,
         "epochs_run": len(history.epoch),
@@ -296,7 +296,7 @@ def run(cfg: Config) -> dict:
         "samples_per_sec_per_worker": per_worker,
         "samples_per_sec_total": sum(per_worker),
         "wall_time_s": time.time() - t0,
-        "weights_sha256_by_rank": _gather(weights_sha256(model), world),
+        "weights_sha256_by_rank": runtime.gather(weights_sha256(model)),
         "precision": {"policy": tf.keras.mixed_precision.global_policy().name,
                       "loss_scaling": isinstance(model.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)},
         "config": cfg.to_dict(),
@@ -314,14 +314,6 @@ def export_model(model, path: str):
     plain = tf.keras.models.clone_model(model)
     plain.set_weights(model.get_weights())
     plain.save(path)
-
-
-def _gather(value, world):
-    if world.size == 1:
-        return [value]
-    import horovod.tensorflow as hvd
-
-    return hvd.allgather_object(value)
 
 
 @rank0_only

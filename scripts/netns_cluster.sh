@@ -4,6 +4,7 @@
 #   scripts/netns_cluster.sh up 2      # node1, node2: ssh node1 works as root, no prompt
 #   scripts/netns_cluster.sh status
 #   scripts/netns_cluster.sh down      # removes everything `up` made (N is not needed)
+#   scripts/netns_cluster.sh sshd-stop node2 / sshd-start node2   # a host that stops answering ssh
 #
 # Each host nodeI is a network namespace with loopback and an `eth0` (one end of a veth pair whose
 # other end sits on the bridge hvdbr0 in the root namespace) at 198.18.0.I/24, and its own UTS
@@ -65,6 +66,21 @@ remove_ssh_include() {
   fi
 }
 
+# With br_netfilter loaded (dockerd loads it, and sets the FORWARD policy to DROP), frames crossing
+# the bridge from one node to another go through iptables' FORWARD chain: without this rule node1
+# and node2 cannot talk to each other (each still reaches the root namespace), and a job hangs in its
+# first allreduce. The rule is tagged, and `down` removes it.
+IPT_RULE=(FORWARD -i "$BR" -o "$BR" -m comment --comment hvdtrain-netns -j ACCEPT)
+allow_forwarding() {
+  command -v iptables >/dev/null || return 0
+  iptables -C "${IPT_RULE[@]}" 2>/dev/null || iptables -I "${IPT_RULE[@]:0:1}" 1 "${IPT_RULE[@]:1}" 2>/dev/null \
+    || log "warning: could not add an iptables FORWARD rule for $BR (nodes may not reach each other)"
+}
+remove_forwarding() {
+  command -v iptables >/dev/null || return 0
+  while iptables -D "${IPT_RULE[@]}" 2>/dev/null; do :; done
+}
+
 down() {
   need_root
   local n pid
@@ -90,6 +106,7 @@ down() {
     ip link del "vh-$n" 2>/dev/null || true
   done
   ip link del "$BR" 2>/dev/null || true
+  remove_forwarding
   remove_hosts_entries
   remove_ssh_include
   rm -rf "$DIR"
@@ -131,6 +148,7 @@ EOF
   ip link add "$BR" type bridge
   ip addr add "$NET.254/24" dev "$BR"
   ip link set "$BR" up
+  allow_forwarding
 
   : > "$DIR/known_hosts"
   local hostkey; hostkey=$(cut -d' ' -f1,2 "$DIR/ssh_host_ed25519_key.pub")
@@ -169,22 +187,42 @@ EOF
   cat "$DIR/user_config.new" > "$SSH_CONFIG_USER" && rm -f "$DIR/user_config.new"
   chmod 600 "$SSH_CONFIG_USER"
 
-  for i in $(seq 1 "$N"); do
-    n=node$i
-    # its own UTS namespace so `hostname` on nodeI says nodeI (Horovod and hvdtrain tell hosts apart by it)
-    ip netns exec "$n" unshare --uts sh -c "hostname $n && exec /usr/sbin/sshd -f '$DIR/sshd_config' \
-      -o ListenAddress=$NET.$i -o PidFile='$DIR/sshd-$n.pid' -E '$DIR/sshd-$n.log'"
-  done
-  for i in $(seq 1 "$N"); do
-    n=node$i
-    local ok=
-    for _ in $(seq 100); do
-      if ssh -o ConnectTimeout=2 "$n" true 2>/dev/null; then ok=1; break; fi
-      sleep 0.1
-    done
-    [ -n "$ok" ] || { cat "$DIR/sshd-$n.log" >&2 || true; die "sshd on $n ($NET.$i) does not answer"; }
-  done
+  for n in "${names[@]}"; do sshd_start "$n"; done
+  for n in "${names[@]}"; do sshd_wait "$n"; done
   log "up: ${names[*]} ($NET.1-$NET.$N, bridge $BR $NET.254), ssh config $DIR/ssh_config"
+}
+
+node_index() {  # node7 -> 7, after checking that `up` made it
+  local n=$1
+  grep -qx "$n" "$DIR/nodes" 2>/dev/null || die "no node '$n' in this cluster (nodes: $(nodes | xargs))"
+  echo "${n#node}"
+}
+
+sshd_start() {
+  local n=$1 i; i=$(node_index "$n")
+  # its own UTS namespace so `hostname` on nodeI says nodeI (Horovod and hvdtrain tell hosts apart by it)
+  ip netns exec "$n" unshare --uts sh -c "hostname $n && exec /usr/sbin/sshd -f '$DIR/sshd_config' \
+    -o ListenAddress=$NET.$i -o PidFile='$DIR/sshd-$n.pid' -E '$DIR/sshd-$n.log'"
+}
+
+sshd_wait() {
+  local n=$1 i; i=$(node_index "$n")
+  for _ in $(seq 100); do
+    ssh -o ConnectTimeout=2 "$n" true 2>/dev/null && return 0
+    sleep 0.1
+  done
+  cat "$DIR/sshd-$n.log" >&2 || true
+  die "sshd on $n ($NET.$i) does not answer"
+}
+
+sshd_stop() {  # the listening sshd only: sessions already open go on, new ssh connections are refused
+  local n=$1 pid; node_index "$n" >/dev/null
+  pid=$(cat "$DIR/sshd-$n.pid" 2>/dev/null || true)
+  if [ -n "$pid" ] && grep -q sshd "/proc/$pid/comm" 2>/dev/null; then
+    kill "$pid"
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  fi
+  rm -f "$DIR/sshd-$n.pid"
 }
 
 status() {
@@ -201,5 +239,7 @@ case "${1:-}" in
   up) up "${2:-2}" ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: $0 up N | down | status" >&2; exit 2 ;;
+  sshd-stop) need_root; sshd_stop "${2:?node name}" ;;
+  sshd-start) need_root; sshd_stop "${2:?node name}"; sshd_start "$2"; sshd_wait "$2" ;;
+  *) echo "usage: $0 up N | down | status | sshd-stop nodeI | sshd-start nodeI" >&2; exit 2 ;;
 esac

@@ -32,6 +32,12 @@ def main(argv=None):
         return 0
     except UserError as e:
         runtime.say(f"hvdtrain: error: {e}", file=sys.stderr)
+        if runtime.world().rank != 0:
+            # Every rank meets the same error (config) or has agreed on it (set-up), but rank 0 alone
+            # reports it: horovodrun kills the others as soon as one exits, so let rank 0 speak first.
+            import time
+
+            time.sleep(3)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -19,6 +19,8 @@ def main(argv=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter, once per worker
     from . import runtime
 
+    runtime.set_fast_defaults()  # before anything imports TensorFlow or starts MPI: both read them once
+
     try:
         if argv and argv[0] in COMMANDS:
             import importlib

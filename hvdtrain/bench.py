@@ -97,6 +97,9 @@ def allreduce_worker(args) -> int:
     """Runs on every rank under mpirun/horovodrun; rank 0 prints one JSON line."""
     import numpy as np
 
+    from . import runtime
+
+    runtime.set_fast_defaults()  # what an hvdtrain worker gets, before MPI and TensorFlow start
     try:
         from mpi4py import MPI  # first, so that Horovod's MPI controller shares MPI with it
     except ImportError:

@@ -11,20 +11,28 @@ import json
 import os
 
 from .config import Config, UserError
-from .runtime import World, log, rank0_only
+from . import runtime
+from .runtime import log, rank0_only
 
 
 class Checkpoints:
-    def __init__(self, cfg: Config, model, world: World):
+    def __init__(self, cfg: Config, model):
         import tensorflow as tf
 
-        self.cfg, self.model, self.world = cfg, model, world
+        self.cfg, self.model = cfg, model
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
         self.ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, epoch=self.epoch)
-        self.manager = None
-        if world.is_chief and cfg.checkpoint_every:
-            self.manager = tf.train.CheckpointManager(self.ckpt, cfg.checkpoint_dir,
-                                                      max_to_keep=cfg.keep_checkpoints)
+        self._manager = None
+
+    @property
+    def manager(self):
+        """Made by whichever process is rank 0 when it first saves (elastic resets can move rank 0)."""
+        import tensorflow as tf
+
+        if self._manager is None:
+            self._manager = tf.train.CheckpointManager(self.ckpt, self.cfg.checkpoint_dir,
+                                                       max_to_keep=self.cfg.keep_checkpoints)
+        return self._manager
 
     def find(self) -> str | None:
         """The checkpoint to resume from: --resume, else the latest in the run's checkpoint dir."""
@@ -46,34 +54,38 @@ class Checkpoints:
 
         Returns the epoch to start from. Called on every rank: it contains collectives.
         """
-        from . import runtime
-        from .train import broadcast_initial_state, build_optimizer
+        from .train import broadcast_initial_state
 
-        build_optimizer(self.model)
-        def restore_on_rank0():
-            if not self.world.is_chief:
-                return None
-            path = self.find()
-            if path:
-                self.check_same_job(path)
-                try:
-                    self.ckpt.restore(path).assert_consumed()
-                except Exception as e:  # OpError, IndexError, ValueError: all mean "not this checkpoint"
-                    raise UserError(f"cannot restore checkpoint {path}: "
-                                    f"{str(e).strip().splitlines()[0][:300]}") from None
-            return path
-
-        path = runtime.all_ranks_agree(restore_on_rank0)
+        path = runtime.all_ranks_agree(self.restore_on_rank0)
         broadcast_initial_state(self.model)
         epoch = int(self.epoch.numpy())
-        if self.world.size > 1:
+        if runtime.world().size > 1:
             import horovod.tensorflow as hvd
 
             path, epoch = hvd.broadcast_object((path, epoch), root_rank=0)
             self.epoch.assign(epoch)
-        if path:
-            log.info("resumed from %s at epoch %d", path, epoch)
         return epoch
+
+    def restore_on_rank0(self) -> str | None:
+        """Rank 0 loads the checkpoint to resume from, if there is one; other ranks do nothing.
+
+        No collectives: elastic training calls this alone and lets hvd.elastic's sync broadcast.
+        """
+        from .train import build_optimizer
+
+        build_optimizer(self.model)
+        if not runtime.world().is_chief:
+            return None
+        path = self.find()
+        if path:
+            self.check_same_job(path)
+            try:
+                self.ckpt.restore(path).assert_consumed()
+            except Exception as e:  # OpError, IndexError, ValueError: all mean "not this checkpoint"
+                raise UserError(f"cannot restore checkpoint {path}: "
+                                f"{str(e).strip().splitlines()[0][:300]}") from None
+            log.info("resumed from %s at epoch %d", path, int(self.epoch.numpy()))
+        return path
 
     MUST_MATCH = ("model", "data", "optimizer", "precision", "synthetic_shape", "synthetic_classes")
 
@@ -107,8 +119,6 @@ class Checkpoints:
     @rank0_only
     def save(self, epoch: int):
         self.epoch.assign(epoch)
-        if self.manager is None:
-            return
         path = self.manager.save(checkpoint_number=epoch)
         tmp = os.path.join(self.cfg.checkpoint_dir, "config.json.tmp")
         with open(tmp, "w") as fh:

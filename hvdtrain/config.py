@@ -88,11 +88,16 @@ class Config:
     fusion_threshold_mb: Optional[float] = _f(None, "tensor fusion buffer in MiB (Horovod default 128)")
     cycle_time_ms: Optional[float] = _f(None, "Horovod background cycle time in ms (default 1)")
     autotune: bool = _f(False, "let Horovod tune fusion threshold and cycle time")
+    # elastic training: under `horovodrun --min-np/--max-np --host-discovery-script`
+    elastic: bool = _f(False, "elastic training: keep going when workers die, take in hosts that "
+                              "appear (needs horovodrun with --host-discovery-script or --min-np)")
+    commit_every: int = _f(10, "elastic: commit the training state every N steps (and every epoch); "
+                               "a failure rolls back to the last commit")
 
     # ---- validation: the one place ----
     def validate(self) -> "Config":
         for name in ("epochs", "batch_size", "synthetic_classes", "synthetic_samples",
-                     "keep_checkpoints", "backward_passes_per_step"):
+                     "keep_checkpoints", "backward_passes_per_step", "commit_every"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -126,6 +131,9 @@ class Config:
         for name in ("fusion_threshold_mb", "cycle_time_ms", "stall_check_seconds", "stall_shutdown_seconds"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise UserError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+        if self.elastic and self.reduction == "adasum":
+            raise UserError("--elastic runs on the Gloo controller and --reduction adasum needs MPI; "
+                            "drop one of them")
         if self.resume and not (os.path.exists(self.resume) or os.path.exists(self.resume + ".index")):
             raise UserError(f"--resume {self.resume!r}: no such checkpoint")
         if self.optimizer not in OPTIMIZERS:

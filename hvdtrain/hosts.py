@@ -4,6 +4,8 @@ Reads horovodrun's `-H host1:4,host2:4` or a hostfile of `host slots=N` lines (t
 mpirun and DeepSpeed share). Checks syntax, duplicates and slot counts (one error per bad line), ssh
 reachability of every host, and that every host has the same Python, TensorFlow, Horovod and hvdtrain:
 mismatched versions are a classic cause of a job that hangs instead of failing.
+
+`--discover` turns a hostfile into the host discovery script of an elastic job (docs/reliability.md).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def parse_spec(spec: str) -> list:
     return _done(entries, errors)
 
 
-def parse_hostfile(path: str) -> list:
+def parse_hostfile(path: str, allow_empty: bool = False) -> list:
     try:
         with open(path) as fh:
             lines = fh.read().splitlines()
@@ -51,7 +53,7 @@ def parse_hostfile(path: str) -> list:
             errors.append(f"{path}:{n}: '{raw.strip()}': expected 'host slots=N'")
             continue
         _add(entries, errors, m.group("host"), m.group("slots"), f"{path}:{n}")
-    if not entries and not errors:
+    if not entries and not errors and not allow_empty:
         errors.append(f"{path}: no hosts")
     return _done(entries, errors)
 
@@ -148,11 +150,19 @@ def parser():
     p.add_argument("--ssh-port", type=int, help="ssh port, as for horovodrun --ssh-port")
     p.add_argument("--python", default=sys.executable, help="the python every host runs (same path everywhere)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--discover", action="store_true",
+                   help="only print 'host:slots' lines, as horovodrun --host-discovery-script wants: "
+                        "elastic jobs re-read the hostfile every second, so edit it as hosts come and go")
     return p
 
 
 def main(argv) -> int:
     args = parser().parse_args(argv)
+    if args.discover:  # no host available (yet) is a normal state of an elastic job: print nothing
+        entries = parse_hostfile(args.hostfile, allow_empty=True) if args.hostfile else parse(None, args.hosts)
+        for host, slots in entries:
+            print(f"{host}:{slots}")
+        return 0
     entries = parse(args.hostfile, args.hosts)
     report = {"hosts": [{"host": h, "slots": s} for h, s in entries], "np": sum(s for _, s in entries),
               "errors": []}

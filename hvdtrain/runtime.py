@@ -21,6 +21,8 @@ log = logging.getLogger("hvdtrain")
 # before a worker has paid for importing TensorFlow.
 _RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
+GLOO_CPU_CYCLE_TIME_MS = "5"  # Horovod's cycle time for CPU workers under Gloo (its default is 1 ms)
+
 
 def launcher_rank() -> int:
     for var in _RANK_VARS:
@@ -64,6 +66,34 @@ def say(msg: str, file=sys.stdout):
     print(msg, file=file, flush=True)
 
 
+def set_fast_defaults():
+    """Environment defaults measured to be faster (docs/benchmarks.md); a user's own setting wins.
+    Must run before TensorFlow and MPI start: both read them once.
+
+    - Open MPI busy-polls while a rank waits; with CPU workers that poll steals the cores the other
+      workers compute on (a 4-rank job on 2 cores: 66 s -> 39 s). Read at MPI_Init (hvd.init()).
+    - TensorFlow's default CPU allocator hands large buffers back to the OS, so every allreduce output
+      of 32 MiB or more is fresh memory and pays its page faults again (25k minor faults per 64 MiB
+      call); its BFC allocator keeps them: hvd.allreduce at 64 MiB went from 45-70% to 95-97% of
+      mpi4py's bandwidth.
+    - TensorFlow 2.15 turns its oneDNN kernels on by default only on CPUs with AVX-512 VNNI/BF16 or AMX;
+      elsewhere (this AMD EPYC with AVX2) it runs its own, much slower ones: ResNet-50 32x32 on one
+      thread trained at 11.3 img/s without oneDNN and 63.2 img/s with it.
+    """
+    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
+
+FAST_DEFAULTS = ("OMPI_MCA_mpi_yield_when_idle", "TF_CPU_ALLOCATOR_USE_BFC", "TF_ENABLE_ONEDNN_OPTS",
+                 "HOROVOD_CYCLE_TIME")
+
+
+def applied_defaults() -> dict:
+    """The settings of set_fast_defaults()/init() as this worker ran with them (None: not set)."""
+    return {k: os.environ.get(k) for k in FAST_DEFAULTS}
+
+
 def init(threads: int = 0, horovod_env: dict | None = None) -> World:
     """hvd.init(), then pin this worker's device. Must run before TensorFlow touches any device.
 
@@ -71,16 +101,18 @@ def init(threads: int = 0, horovod_env: dict | None = None) -> World:
     """
     global _world
     os.environ.update(horovod_env or {})
-    # Open MPI busy-polls while a rank waits; with CPU workers that poll steals the cores the other
-    # workers compute on (measured: a 4-rank job on 2 cores, 66 s -> 39 s). Read at MPI_Init, which
-    # hvd.init() calls under the MPI controller. A user's own setting wins.
-    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    set_fast_defaults()
     import horovod.tensorflow.keras as hvd
     import tensorflow as tf
 
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus and os.environ.get("HOROVOD_CONTROLLER") == "gloo":
+        # Under Gloo, every background-loop cycle is a round of Gloo messages; on CPU workers that share
+        # the cores with the training, a 1 ms cycle costs throughput (ResNet-50, 2 workers on 2 cores:
+        # 65% scaling efficiency at 1 ms, 82% at 5 ms; docs/benchmarks.md). Read by hvd.init().
+        os.environ.setdefault("HOROVOD_CYCLE_TIME", GLOO_CPU_CYCLE_TIME_MS)
     hvd.init()
     rank, size, local_rank, local_size = hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()
-    gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         if local_rank >= len(gpus):
             raise UserError(f"host {os.uname().nodename} runs {local_size} workers but has "
@@ -96,6 +128,23 @@ def init(threads: int = 0, horovod_env: dict | None = None) -> World:
         device = f"CPU, {n} intra-op thread(s)"
     _world = World(rank, size, local_rank, local_size, device)
     return _world
+
+
+def refresh() -> World:
+    """Re-read rank and size after an elastic reset: workers came or went, ranks were renumbered.
+
+    The device stays: a worker keeps the GPU (or the threads) it pinned at start.
+    """
+    global _world
+    import horovod.tensorflow as hvd
+
+    _world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), _world.device)
+    return _world
+
+
+def launched_elastic() -> bool:
+    """horovodrun's elastic driver (--min-np, --host-discovery-script) marks its workers."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
 def cpu_threads_per_worker(local_size: int) -> int:
@@ -143,13 +192,15 @@ FILE_ONLY = {"file_only": True}  # tracebacks: in the worker's log file, not on 
 def setup_logging(log_file: str | None = None):
     """Every worker logs to its own file; the terminal gets rank 0's lines, and those marked
     `extra=EVERY_RANK` from every worker (what each one pinned, for instance)."""
-    fmt = logging.Formatter(f"%(asctime)s rank {_world.rank}/{_world.size} %(levelname)s %(message)s")
+    fmt = logging.Formatter("%(asctime)s rank %(rank)s/%(size)s %(levelname)s %(message)s")
     log.setLevel(logging.INFO)
     log.propagate = False
     for h in list(log.handlers):
         log.removeHandler(h)
+    log.removeFilter(_stamp_rank)
+    log.addFilter(_stamp_rank)
     h = logging.StreamHandler(sys.stderr)
-    h.setFormatter(logging.Formatter(f"hvdtrain[{_world.rank}]: %(message)s"))
+    h.setFormatter(logging.Formatter("hvdtrain[%(rank)s]: %(message)s"))
     h.addFilter(lambda record: (_world.is_chief or getattr(record, "every_rank", False))
                 and not getattr(record, "file_only", False))
     log.addHandler(h)
@@ -158,3 +209,9 @@ def setup_logging(log_file: str | None = None):
         fh = logging.FileHandler(log_file)
         fh.setFormatter(fmt)
         log.addHandler(fh)
+
+
+def _stamp_rank(record) -> bool:
+    """The rank at the time of the record: elastic resets renumber ranks."""
+    record.rank, record.size = _world.rank, _world.size
+    return True

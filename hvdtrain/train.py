@@ -233,56 +233,46 @@ def run(cfg: Config) -> dict:
     import tensorflow as tf
 
     t0 = time.time()
+    elastic = runtime.launched_elastic()
+    if cfg.elastic and not elastic:
+        raise UserError("--elastic needs an elastic launch: horovodrun -np N --min-np MIN --max-np MAX "
+                        "--host-discovery-script SCRIPT python -m hvdtrain ... (see docs/reliability.md)")
     world = runtime.init(cfg.threads, cfg.horovod_env())
     runtime.setup_logging(os.path.join(cfg.run_dir, "logs", f"rank{world.rank}.log")
                           if cfg.worker_logs else None)
     host = socket.gethostname()
     log.info("rank %d/%d (local %d/%d) on %s, pid %d: %s", world.rank, world.size, world.local_rank,
              world.local_size, host, os.getpid(), world.device, extra=runtime.EVERY_RANK)
+    _warn_if_stall_check_is_blind(cfg, world)
     tf.keras.utils.set_random_seed(cfg.seed)
     if cfg.deterministic:
         tf.config.experimental.enable_op_determinism()
     tf.keras.mixed_precision.set_global_policy(cfg.precision)
 
-    data = runtime.all_ranks_agree(data_lib.load, cfg, world)
-    data.steps_per_epoch -= data.steps_per_epoch % cfg.backward_passes_per_step  # whole updates only
-    if data.steps_per_epoch == 0:
-        raise UserError(f"--backward-passes-per-step {cfg.backward_passes_per_step} is more than the "
-                        f"steps in an epoch; lower it or --batch-size")
-    model = runtime.all_ranks_agree(models.build, cfg.model, data.input_shape, data.num_classes)
+    # An elastic worker can join a running job alone: until hvd.elastic.run has synced it with the
+    # others, it must not call a collective, so set-up errors are not agreed on there.
+    agree = (lambda fn, *args: fn(*args)) if elastic else runtime.all_ranks_agree
+    data = agree(load_data, cfg, world)
+    model = agree(models.build, cfg.model, data.input_shape, data.num_classes)
     model.compile(optimizer=make_optimizer(cfg, world),
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     if cfg.reduction == "adasum":
-        runtime.all_ranks_agree(use_adasum, model, cfg, world)
-    ckpts = Checkpoints(cfg, model, world)
-    first_epoch = ckpts.restore_and_broadcast()
-    log.info("%s on %s: %d samples, %s sharding, %d steps/epoch of %d per worker, %d workers, "
-             "epochs %d..%d", model.name, cfg.data, data.num_samples, data.sharding,
-             data.steps_per_epoch, cfg.batch_size, world.size, first_epoch + 1, cfg.epochs)
-
-    workers = runtime.gather((host, os.getpid()))  # to say who is gone if a worker dies
-    throughput, nonfinite = _throughput_callback(cfg.batch_size), _stop_on_nonfinite_loss()
-    try:
-        history = model.fit(data.stream(first_epoch, cfg.epochs), epochs=cfg.epochs,
-                            initial_epoch=first_epoch, steps_per_epoch=data.steps_per_epoch,
-                            validation_data=data.val,
-                            callbacks=[nonfinite] + callbacks(cfg, data, world, ckpts) + [throughput],
-                            verbose=cfg.verbose if world.is_chief else 0)
-    except Exception as e:
-        if world.size == 1 or "horovod" not in f"{type(e).__module__} {e}".lower():
-            raise
-        table = ", ".join(f"rank {r} on {h} (pid {p})" for r, (h, p) in enumerate(workers))
-        log.error("rank %d lost its peers during training (%s: %s). Workers were: %s. The launcher "
-                  "names the one that exited first.", world.rank, type(e).__name__,
-                  str(e).strip().splitlines()[0][:200], table, extra=runtime.EVERY_RANK)
-        raise SystemExit(1) from None
+        agree(use_adasum, model, cfg, world)
+    ckpts = Checkpoints(cfg, model)
+    if elastic:
+        (history, throughput, nonfinite), data, rounds = fit_elastic(cfg, model, data, ckpts)
+        first_epoch = rounds[0]["from_epoch"]
+    else:
+        first_epoch, rounds = ckpts.restore_and_broadcast(), []
+        history, throughput, nonfinite = fit_fixed(cfg, model, data, world, ckpts, first_epoch)
     if nonfinite.where:
         epoch, step = nonfinite.where
         raise UserError(f"the loss became NaN or infinite at epoch {epoch}, step {step}, on at least one "
                         f"worker; every worker stopped there. Lower --lr, add --clip-norm, or check the "
                         f"data for NaN/Inf")
 
+    world = runtime.world()
     per_worker = runtime.gather(throughput.samples_per_sec)
     summary = {
         "world_size": world.size,
@@ -299,11 +289,103 @@ def run(cfg: Config) -> dict:
         "weights_sha256_by_rank": runtime.gather(weights_sha256(model)),
         "precision": {"policy": tf.keras.mixed_precision.global_policy().name,
                       "loss_scaling": isinstance(model.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)},
+        "elastic_rounds": rounds,
+        "runtime_env": runtime.applied_defaults(),
         "config": cfg.to_dict(),
     }
     _write_outputs(cfg, model, summary)
     log.info("done: %s", json.dumps(summary["metrics"]))
     return summary
+
+
+def _warn_if_stall_check_is_blind(cfg: Config, world: runtime.World):
+    """Horovod 0.28.1's stall check reports only under the MPI controller: under Gloo, rank 0's
+    background loop waits in its per-cycle gather for the stalled rank and never gets to the check
+    (measured, docs/reliability.md). Say so rather than let a user wait for a warning that never comes."""
+    import horovod.tensorflow as hvd
+
+    if (cfg.stall_check_seconds or cfg.stall_shutdown_seconds) and world.size > 1 and not hvd.mpi_enabled():
+        log.warning("--stall-check-seconds/--stall-shutdown-seconds: Horovod's stall check does not "
+                    "report under the Gloo controller; launch with horovodrun --mpi or mpirun for it")
+
+
+def load_data(cfg: Config, world: runtime.World) -> data_lib.Data:
+    """This worker's shard, in whole updates (a multiple of backward_passes_per_step steps)."""
+    data = data_lib.load(cfg, world)
+    data.steps_per_epoch -= data.steps_per_epoch % cfg.backward_passes_per_step
+    if data.steps_per_epoch == 0:
+        raise UserError(f"--backward-passes-per-step {cfg.backward_passes_per_step} is more than the "
+                        f"steps in an epoch; lower it or --batch-size")
+    return data
+
+
+def fit(cfg: Config, model, data: data_lib.Data, world: runtime.World, ckpts, first_epoch: int,
+        extra_callbacks=()):
+    """model.fit over this worker's shard from first_epoch; returns (history, throughput, nonfinite)."""
+    log.info("%s on %s: %d samples, %s sharding, %d steps/epoch of %d per worker, %d workers, "
+             "epochs %d..%d", model.name, cfg.data, data.num_samples, data.sharding,
+             data.steps_per_epoch, cfg.batch_size, world.size, first_epoch + 1, cfg.epochs)
+    throughput, nonfinite = _throughput_callback(cfg.batch_size), _stop_on_nonfinite_loss()
+    history = model.fit(data.stream(first_epoch, cfg.epochs), epochs=cfg.epochs,
+                        initial_epoch=first_epoch, steps_per_epoch=data.steps_per_epoch,
+                        validation_data=data.val,
+                        callbacks=[nonfinite, *extra_callbacks, *callbacks(cfg, data, world, ckpts),
+                                   throughput],
+                        verbose=cfg.verbose if world.is_chief else 0)
+    return history, throughput, nonfinite
+
+
+def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch: int):
+    """A fixed set of workers: if one dies, the job ends, naming every worker so the dead one can be found."""
+    workers = runtime.gather((socket.gethostname(), os.getpid()))
+    try:
+        return fit(cfg, model, data, world, ckpts, first_epoch)
+    except Exception as e:
+        if world.size == 1 or "horovod" not in f"{type(e).__module__} {e}".lower():
+            raise
+        table = ", ".join(f"rank {r} on {h} (pid {p})" for r, (h, p) in enumerate(workers))
+        log.error("rank %d lost its peers during training, or Horovod shut down (%s: %s). Workers "
+                  "were: %s. The launcher names the one that exited first; a stall shutdown is "
+                  "reported above by Horovod.", world.rank, type(e).__name__,
+                  str(e).strip().splitlines()[0][:200], table, extra=runtime.EVERY_RANK)
+        raise SystemExit(1) from None
+
+
+def fit_elastic(cfg: Config, model, data, ckpts):
+    """Training that outlives its workers, with Horovod's elastic API.
+
+    hvd.elastic.run calls `one_round` again after every change of the world: when a worker dies, the
+    survivors roll back to the last commit; when hosts join, everyone goes on from the current state
+    (`commit_every` steps). Each round starts by syncing rank 0's state to all, then re-shards the data
+    and rescales the learning rate for the workers it has. Returns (fit's result, data, rounds).
+    """
+    import horovod.tensorflow.keras as hvd
+    import tensorflow as tf
+
+    ckpts.restore_on_rank0()  # the first sync hands rank 0's model, optimizer and epoch to everyone
+    state = hvd.elastic.KerasState(model, epoch=int(ckpts.epoch.numpy()), batch=0)
+    rounds, shard = [], {"for": (runtime.world().rank, runtime.world().size), "data": data}
+
+    @hvd.elastic.run
+    def one_round(state):
+        world = runtime.refresh()
+        if shard["for"] != (world.rank, world.size):
+            shard.update({"for": (world.rank, world.size), "data": load_data(cfg, world)})
+        lr = cfg.lr * lr_multiplier(cfg, world)
+        model.optimizer.learning_rate.assign(lr)
+        rounds.append({"world_size": world.size, "from_epoch": int(state.epoch), "lr": lr})
+        log.info("elastic round %d: %d workers from epoch %d, lr %g", len(rounds), world.size,
+                 state.epoch + 1, lr)
+        keep_state = [
+            hvd.elastic.UpdateBatchStateCallback(state),
+            # Horovod's UpdateEpochStateCallback counts from a fit() that starts at epoch 0; ours passes
+            # initial_epoch so schedules and checkpoints see the true epoch, so the epoch is stored as is.
+            tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(state, "epoch", epoch + 1)),
+            hvd.elastic.CommitStateCallback(state, batches_per_commit=cfg.commit_every),
+        ]
+        return fit(cfg, model, shard["data"], world, ckpts, int(state.epoch), keep_state)
+
+    return one_round(state), shard["data"], rounds
 
 
 def export_model(model, path: str):

@@ -111,12 +111,19 @@ def test_cosine_schedule_decays_to_almost_zero(out):
     assert s["metrics"]["lr"] < 0.01 * 0.05
 
 
-def test_timeline_is_written_by_rank0_as_a_chrome_trace(tmp_path):
+def test_timeline_is_written_by_rank0_as_a_chrome_trace_and_gloo_says_it_has_no_stall_check(tmp_path):
     timeline = tmp_path / "timeline.json"
-    train(2, "gloo", tmp_path / "run", *FAST, "--epochs", "1", "--horovod-timeline", str(timeline),
-          "--fusion-threshold-mb", "32", "--cycle-time-ms", "2", "--stall-check-seconds", "30")
+    proc = launch(2, "gloo", ["-m", "hvdtrain", "--output-dir", str(tmp_path / "run"), "--verbose", "0",
+                              "--no-tensorboard",
+                              *FAST, "--epochs", "1", "--horovod-timeline", str(timeline),
+                              "--fusion-threshold-mb", "32", "--cycle-time-ms", "2",
+                              "--stall-check-seconds", "30"])
+    assert proc.returncode == 0, proc.stdout[-3000:]
     text = timeline.read_text()
     assert text.startswith("[") and "ALLREDUCE" in text
+    assert "Horovod's stall check does not report under the Gloo controller" in proc.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["runtime_env"]["HOROVOD_CYCLE_TIME"] == "2.0"  # the flag wins over hvdtrain's default
 
 
 def test_same_seed_gives_bit_identical_weights_twice(tmp_path):

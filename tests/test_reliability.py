@@ -63,6 +63,22 @@ def test_a_killed_worker_ends_the_whole_job_naming_it_and_leaves_no_process(laun
     assert _leftovers(tmp_path) == []
 
 
+def test_a_hung_worker_is_named_by_horovods_stall_check_with_the_tensors_it_waits_on(tmp_path):
+    """Rank 1 blocks in its forward pass (a worker stuck in I/O) from its 4th step. Under MPI, Horovod's
+    stall check names it and the gradients rank 0 waits for, then shuts the job down. (Under Gloo,
+    Horovod 0.28.1's stall check never reports: see docs/reliability.md.)"""
+    t0 = time.monotonic()
+    proc = launch(2, "mpi", ["-m", "hvdtrain", "--model", "userdata:hangs_on_rank_1", "--data", "userdata:blobs",
+                             "--epochs", "3", "--verbose", "0", "--no-tensorboard", "--output-dir", str(tmp_path),
+                             "--stall-check-seconds", "2", "--stall-shutdown-seconds", "6"], timeout=180)
+    assert proc.returncode != 0
+    out = re.sub(r"\[1,\d+\]<std(out|err)>:", "", proc.stdout)  # horovodrun --mpi prefixes every line
+    assert re.search(r"Missing ranks:\n1: \[[^\]]*HorovodAllreduce_grads_0", out), out[-3000:]
+    assert re.search(r"Missing ranks:\n1!: \[", out) and "stalled for longer than 6 seconds. Will shutdown" in out
+    assert time.monotonic() - t0 < 150
+    assert _leftovers(tmp_path) == []
+
+
 # ---------------------------------------------------------------- checkpoints under fire
 
 def test_a_torn_checkpoint_write_leaves_the_previous_checkpoint_as_the_latest(tmp_path):

@@ -32,3 +32,25 @@ def nan_on_rank_1():
     x[1] = np.nan
     return tf.data.Dataset.from_tensor_slices((x, np.zeros(256, np.int64) + (x[:, 0] > 0)))
 
+
+
+def hangs_on_rank_1(input_shape, num_classes):
+    """A model whose forward pass blocks on rank 1 from its 4th step on: a worker stuck in I/O."""
+    import time
+
+    stuck = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1"
+    calls = [0]
+
+    def forward(x):
+        calls[0] += 1
+        if stuck and calls[0] > 3:
+            time.sleep(3600)
+        return x
+
+    def hang(x):
+        y = tf.py_function(forward, [x], x.dtype)
+        y.set_shape(x.shape)
+        return y
+
+    return tf.keras.Sequential([tf.keras.layers.Input(input_shape), tf.keras.layers.Lambda(hang),
+                                tf.keras.layers.Flatten(), tf.keras.layers.Dense(num_classes)], name="hangs")

@@ -344,7 +344,7 @@ def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch
         if world.size == 1 or "horovod" not in f"{type(e).__module__} {e}".lower():
             raise
         table = ", ".join(f"rank {r} on {h} (pid {p})" for r, (h, p) in enumerate(workers))
-        log.error("rank %d lost its peers during training, or Horovod shut down (%s: %s). Workers "
+        log.error("rank %d lost its peers during training (%s: %s), or Horovod shut down. Workers "
                   "were: %s. The launcher names the one that exited first; a stall shutdown is "
                   "reported above by Horovod.", world.rank, type(e).__name__,
                   str(e).strip().splitlines()[0][:200], table, extra=runtime.EVERY_RANK)

@@ -138,7 +138,9 @@ def test_same_seed_gives_bit_identical_weights_twice(tmp_path):
 
 @pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
 def test_nan_loss_on_one_worker_stops_every_worker_at_the_same_step(launcher, tmp_path):
+    # a linear model: oneDNN's fused Dense+ReLU turns a NaN input into 0, which would hide the NaN
     proc = launch(2, launcher, ["-m", "hvdtrain", "--data", "userdata:nan_on_rank_1", "--no-shuffle",
+                                "--model", "userdata:tiny_model",
                                 "--batch-size", "8", "--output-dir", str(tmp_path)], timeout=120)
     assert proc.returncode != 0
     ours = [l for l in proc.stdout.splitlines() if "hvdtrain: error:" in l]

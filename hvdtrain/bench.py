@@ -94,12 +94,10 @@ def allreduce_sizes(lo: int, hi: int):
 
 
 def allreduce_worker(args) -> int:
-    """Runs on every rank under mpirun/horovodrun; rank 0 prints one JSON line."""
+    """Runs on every rank under mpirun/horovodrun; rank 0 prints one JSON line. Started as
+    `python -m hvdtrain bench --worker allreduce`, so it runs with hvdtrain's environment defaults."""
     import numpy as np
 
-    from . import runtime
-
-    runtime.set_fast_defaults()  # what an hvdtrain worker gets, before MPI and TensorFlow start
     try:
         from mpi4py import MPI  # first, so that Horovod's MPI controller shares MPI with it
     except ImportError:

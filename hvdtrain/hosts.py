@@ -78,11 +78,11 @@ def _done(entries, errors):
     return entries
 
 
-def parse(hostfile: str | None = None, spec: str | None = None) -> list:
+def parse(hostfile: str | None = None, spec: str | None = None, allow_empty: bool = False) -> list:
     if hostfile and spec:
         raise UserError("give --hostfile or -H, not both")
     if hostfile:
-        return parse_hostfile(hostfile)
+        return parse_hostfile(hostfile, allow_empty)
     return parse_spec(spec or "localhost:1")
 
 
@@ -159,8 +159,7 @@ def parser():
 def main(argv) -> int:
     args = parser().parse_args(argv)
     if args.discover:  # no host available (yet) is a normal state of an elastic job: print nothing
-        entries = parse_hostfile(args.hostfile, allow_empty=True) if args.hostfile else parse(None, args.hosts)
-        for host, slots in entries:
+        for host, slots in parse(args.hostfile, args.hosts, allow_empty=True):
             print(f"{host}:{slots}")
         return 0
     entries = parse(args.hostfile, args.hosts)

@@ -364,13 +364,14 @@ def fit_elastic(cfg: Config, model, data, ckpts):
 
     ckpts.restore_on_rank0()  # the first sync hands rank 0's model, optimizer and epoch to everyone
     state = hvd.elastic.KerasState(model, epoch=int(ckpts.epoch.numpy()), batch=0)
-    rounds, shard = [], {"for": (runtime.world().rank, runtime.world().size), "data": data}
+    rounds, sharded_for = [], runtime.world()
 
     @hvd.elastic.run
     def one_round(state):
+        nonlocal data, sharded_for
         world = runtime.refresh()
-        if shard["for"] != (world.rank, world.size):
-            shard.update({"for": (world.rank, world.size), "data": load_data(cfg, world)})
+        if (world.rank, world.size) != (sharded_for.rank, sharded_for.size):
+            data, sharded_for = load_data(cfg, world), world
         lr = cfg.lr * lr_multiplier(cfg, world)
         model.optimizer.learning_rate.assign(lr)
         rounds.append({"world_size": world.size, "from_epoch": int(state.epoch), "lr": lr})
@@ -383,9 +384,9 @@ def fit_elastic(cfg: Config, model, data, ckpts):
             tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(state, "epoch", epoch + 1)),
             hvd.elastic.CommitStateCallback(state, batches_per_commit=cfg.commit_every),
         ]
-        return fit(cfg, model, shard["data"], world, ckpts, int(state.epoch), keep_state)
+        return fit(cfg, model, data, world, ckpts, int(state.epoch), keep_state)
 
-    return one_round(state), shard["data"], rounds
+    return one_round(state), data, rounds
 
 
 def export_model(model, path: str):

@@ -63,6 +63,17 @@ def run_worker_script(np_, launcher, script, *args, timeout=300):
     return json.loads(lines[0])
 
 
+def processes_of(path, settle=0.0):
+    """pids of processes whose command line names `path` (a job's output dir), after `settle` seconds."""
+    import time
+
+    import psutil
+
+    time.sleep(settle)
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if str(path) in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid()]
+
+
 @pytest.fixture
 def out(tmp_path):
     return tmp_path

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-from pathlib import Path
 
 import pytest
 

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, job_env
+from conftest import BIN, PYTHON, ROOT, job_env, processes_of
 
 EPOCHS = 60
 
@@ -70,11 +70,6 @@ def _workers_launched_as(rank, out):
     return found
 
 
-def _leftovers(out):
-    time.sleep(2)
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
-
-
 def test_elastic_job_takes_in_a_new_host_loses_a_worker_and_still_finishes_every_epoch(tmp_path):
     third = _local_alias()
     hostfile = tmp_path / "hosts"
@@ -113,7 +108,7 @@ def test_elastic_job_takes_in_a_new_host_loses_a_worker_and_still_finishes_every
     assert len(set(summary["weights_sha256_by_rank"])) == 1
     assert summary["metrics"]["val_accuracy"] > 0.9
     assert f"ckpt-{EPOCHS}" in (ckpt / "checkpoint").read_text()  # every requested epoch ran
-    assert _leftovers(tmp_path) == []
+    assert processes_of(tmp_path, settle=2) == []
 
 
 def test_elastic_flag_outside_an_elastic_launch_is_a_clear_error(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, command, job_env, launch, train
+from conftest import ROOT, command, job_env, launch, processes_of, train
 from hvdtrain import config, hosts
 from hvdtrain.config import UserError
 
@@ -38,12 +38,6 @@ def _pid_of_rank(out, rank, proc, timeout=120, seen=()):
     raise AssertionError(f"the job did not start training: {proc.stdout.read()[-3000:] if proc.poll() is not None else ''}")
 
 
-def _leftovers(out):
-    time.sleep(2)
-    ps = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
-    return [p for p in ps if int(p) != os.getpid()]
-
-
 @pytest.mark.parametrize("launcher", ["gloo", "mpi", "mpirun"])
 def test_a_killed_worker_ends_the_whole_job_naming_it_and_leaves_no_process(launcher, tmp_path):
     proc = _start(launcher, tmp_path)
@@ -60,7 +54,7 @@ def test_a_killed_worker_ends_the_whole_job_naming_it_and_leaves_no_process(laun
                          r"rank 1 on \S+", output), output[-3000:]
     else:  # OpenMPI names rank, host and signal itself
         assert re.search(r"process rank 1 with PID \d+ on node \S+ exited on signal 9", output), output[-3000:]
-    assert _leftovers(tmp_path) == []
+    assert processes_of(tmp_path, settle=2) == []
 
 
 def test_a_hung_worker_is_named_by_horovods_stall_check_with_the_tensors_it_waits_on(tmp_path):
@@ -76,7 +70,7 @@ def test_a_hung_worker_is_named_by_horovods_stall_check_with_the_tensors_it_wait
     assert re.search(r"Missing ranks:\n1: \[[^\]]*HorovodAllreduce_grads_0", out), out[-3000:]
     assert re.search(r"Missing ranks:\n1!: \[", out) and "stalled for longer than 6 seconds. Will shutdown" in out
     assert time.monotonic() - t0 < 150
-    assert _leftovers(tmp_path) == []
+    assert processes_of(tmp_path, settle=2) == []
 
 
 # ---------------------------------------------------------------- checkpoints under fire

@@ -5,7 +5,7 @@ import os
 import psutil
 import pytest
 
-from conftest import LAUNCHERS, launch
+from conftest import LAUNCHERS, launch, processes_of
 
 # 9 in the suite (3 per launcher, about 2.5 min); the soak is HVDTRAIN_SOAK_JOBS=30 (7.5 min)
 JOBS = int(os.environ.get("HVDTRAIN_SOAK_JOBS", "9"))
@@ -17,10 +17,6 @@ def _listening():
     return {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN}
 
 
-def _processes_of(path):
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if str(path) in " ".join(p.info["cmdline"] or [])]
-
-
 @pytest.mark.soak
 @pytest.mark.timeout(1500)
 def test_short_jobs_in_a_row_all_succeed_and_leak_no_process_or_port(tmp_path):
@@ -30,6 +26,6 @@ def test_short_jobs_in_a_row_all_succeed_and_leak_no_process_or_port(tmp_path):
         proc = launch(2, launcher, [*TINY, "--output-dir", str(out)], timeout=180)
         assert proc.returncode == 0, f"job {i} ({launcher}): {proc.stdout[-3000:]}"
         assert json.loads((out / "summary.json").read_text())["world_size"] == 2
-        assert _processes_of(out) == [], f"job {i} ({launcher}) left processes behind"
+        assert processes_of(out) == [], f"job {i} ({launcher}) left processes behind"
     leaked = _listening() - ports_before
     assert not leaked, f"ports still listening after {JOBS} jobs: {sorted(leaked)}"

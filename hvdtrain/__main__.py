@@ -4,6 +4,7 @@ Alone it is one worker; under horovodrun or mpirun every process runs this same 
 """
 import os
 import sys
+import time
 
 from .config import UserError
 
@@ -37,10 +38,15 @@ def main(argv=None):
         if runtime.world().rank != 0:
             # Every rank meets the same error (config) or has agreed on it (set-up), but rank 0 alone
             # reports it: horovodrun kills the others as soon as one exits, so let rank 0 speak first.
-            import time
-
             time.sleep(3)
         return 2
+    except runtime.TrainingFailed as e:
+        # The rank that hit it reports it. When several hit it (a bad label on every shard), rank 0
+        # speaks at once and the launcher ends the others on its exit, before they speak.
+        if runtime.world().rank != 0:
+            time.sleep(10)
+        print(f"hvdtrain: error: {e}", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         return 130
 

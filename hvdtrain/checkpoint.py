@@ -3,16 +3,23 @@
 Rank 0 alone writes, through tf.train.CheckpointManager: the data files of ckpt-N are written first
 and the `checkpoint` index is replaced atomically afterwards, so a crash mid-write leaves the previous
 checkpoint as the latest; the manager keeps the last K. Resuming restores on rank 0 and broadcasts
-model, optimizer and epoch, so workers on hosts without a shared file system resume too.
+model, optimizer and position, so workers on hosts without a shared file system resume too.
+
+Beside the checkpoints, config.json says which job wrote them (a checkpoint of another job is refused,
+not half-restored), how far it got and with how many workers.
 """
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 
-from .config import Config, UserError
 from . import runtime
+from .config import Config, UserError
+from .optimizer import broadcast_initial_state, build
 from .runtime import log, rank0_only
+
+META = "config.json"
 
 
 class Checkpoints:
@@ -20,9 +27,10 @@ class Checkpoints:
         import tensorflow as tf
 
         self.cfg, self.model = cfg, model
-        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs completed
         self.ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, epoch=self.epoch)
         self._manager = None
+        self.resumed_from = None  # the meta of the checkpoint this run resumed from
 
     @property
     def manager(self):
@@ -36,33 +44,20 @@ class Checkpoints:
 
     def find(self) -> str | None:
         """The checkpoint to resume from: --resume, else the latest in the run's checkpoint dir."""
-        import tensorflow as tf
-
-        if self.cfg.resume:
-            if os.path.isdir(self.cfg.resume):
-                path = tf.train.latest_checkpoint(self.cfg.resume)
-                if not path:
-                    raise UserError(f"--resume {self.cfg.resume}: no checkpoint in this directory")
-                return path
-            return self.cfg.resume
-        if self.cfg.auto_resume and os.path.isdir(self.cfg.checkpoint_dir):
-            return tf.train.latest_checkpoint(self.cfg.checkpoint_dir)
-        return None
+        return find(self.cfg)
 
     def restore_and_broadcast(self) -> int:
         """Rank 0 restores (if there is a checkpoint), then every rank takes rank 0's state.
 
         Returns the epoch to start from. Called on every rank: it contains collectives.
         """
-        from .train import broadcast_initial_state
-
         path = runtime.all_ranks_agree(self.restore_on_rank0)
         broadcast_initial_state(self.model)
         epoch = int(self.epoch.numpy())
         if runtime.world().size > 1:
             import horovod.tensorflow as hvd
 
-            path, epoch = hvd.broadcast_object((path, epoch), root_rank=0)
+            path, epoch, self.resumed_from = hvd.broadcast_object((path, epoch, self.resumed_from), root_rank=0)
             self.epoch.assign(epoch)
         return epoch
 
@@ -71,37 +66,42 @@ class Checkpoints:
 
         No collectives: elastic training calls this alone and lets hvd.elastic's sync broadcast.
         """
-        from .train import build_optimizer
-
-        build_optimizer(self.model)
+        build(self.model)
         if not runtime.world().is_chief:
             return None
         path = self.find()
         if path:
-            self.check_same_job(path)
+            self.resumed_from = check_same_job(self.cfg, path)
             try:
                 self.ckpt.restore(path).assert_consumed()
             except Exception as e:  # OpError, IndexError, ValueError: all mean "not this checkpoint"
-                raise UserError(f"cannot restore checkpoint {path}: "
-                                f"{str(e).strip().splitlines()[0][:300]}") from None
+                raise UserError(self._explain(path, e)) from None
             log.info("resumed from %s at epoch %d", path, int(self.epoch.numpy()))
         return path
 
-    MUST_MATCH = ("model", "data", "optimizer", "precision", "synthetic_shape", "synthetic_classes")
+    def _explain(self, path: str, error: Exception) -> str:
+        """Why a checkpoint does not restore into this model, naming the variables that differ."""
+        import tensorflow as tf
 
-    def check_same_job(self, path: str):
-        """A checkpoint of another model would half-restore (TensorFlow only warns): refuse it."""
-        meta_file = os.path.join(os.path.dirname(path), "config.json")
-        if not os.path.exists(meta_file):
-            return
-        with open(meta_file) as fh:
-            saved = json.load(fh).get("config", {})
-        now = self.cfg.to_dict()
-        diff = [f"{k}: {saved[k]!r} there, {now[k]!r} now" for k in self.MUST_MATCH
-                if k in saved and saved[k] != now[k]]
-        if diff:
-            raise UserError(f"checkpoint {path} belongs to a different job ({'; '.join(diff)}); "
-                            f"use another --output-dir, or --no-auto-resume to start over")
+        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        try:
+            theirs = dict(tf.train.list_variables(path))
+        except Exception:  # unreadable: a corrupt file
+            return f"cannot restore checkpoint {path}: {first}"
+        with tempfile.TemporaryDirectory() as tmp:  # this model's variables, under the same names
+            ours = dict(tf.train.list_variables(tf.train.Checkpoint(model=self.model).write(f"{tmp}/c")))
+        ours = {k: v for k, v in ours.items() if k.startswith("model/")}
+        theirs_model = {k: v for k, v in theirs.items() if k.startswith("model/")}
+        name = lambda k: k[len("model/"):].replace("/.ATTRIBUTES/VARIABLE_VALUE", "")
+        diff = [f"{name(k)} is {tuple(theirs_model[k])} there, {tuple(ours[k])} here"
+                for k in sorted(set(ours) & set(theirs_model)) if theirs_model[k] != ours[k]]
+        diff += [f"{name(k)} is only here" for k in sorted(set(ours) - set(theirs_model))]
+        diff += [f"{name(k)} is only there" for k in sorted(set(theirs_model) - set(ours))]
+        if not diff:
+            return f"cannot restore checkpoint {path}: {first}"
+        shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
+        return (f"checkpoint {path} was written by a different model (edited since?): {shown}. "
+                f"--no-auto-resume starts over (the old run is kept aside), or use another --output-dir")
 
     def callback(self):
         import tensorflow as tf
@@ -120,9 +120,50 @@ class Checkpoints:
     def save(self, epoch: int):
         self.epoch.assign(epoch)
         path = self.manager.save(checkpoint_number=epoch)
-        tmp = os.path.join(self.cfg.checkpoint_dir, "config.json.tmp")
+        tmp = os.path.join(self.cfg.checkpoint_dir, META + ".tmp")
         with open(tmp, "w") as fh:
-            json.dump({"epoch": epoch, "checkpoint": os.path.basename(path), "config": self.cfg.to_dict()},
-                      fh, indent=2)
-        os.replace(tmp, os.path.join(self.cfg.checkpoint_dir, "config.json"))
+            json.dump({"epoch": epoch, "checkpoint": os.path.basename(path),
+                       "world_size": runtime.world().size, "config": self.cfg.to_dict()}, fh, indent=2)
+        os.replace(tmp, os.path.join(self.cfg.checkpoint_dir, META))
         log.info("checkpoint %s", path)
+
+
+def find(cfg: Config) -> str | None:
+    """The checkpoint a run of `cfg` resumes from: --resume, else the latest in its checkpoint dir."""
+    import tensorflow as tf
+
+    if cfg.resume:
+        if os.path.isdir(cfg.resume):
+            path = tf.train.latest_checkpoint(cfg.resume)
+            if not path:
+                raise UserError(f"--resume {cfg.resume}: no checkpoint in this directory")
+            return path
+        return cfg.resume
+    if cfg.auto_resume and os.path.isdir(cfg.checkpoint_dir):
+        return tf.train.latest_checkpoint(cfg.checkpoint_dir)
+    return None
+
+
+def meta(path: str) -> dict:
+    """What config.json beside a checkpoint says ({} when there is none)."""
+    meta_file = os.path.join(os.path.dirname(path), META)
+    if not os.path.exists(meta_file):
+        return {}
+    with open(meta_file) as fh:
+        return json.load(fh)
+
+
+MUST_MATCH = ("model", "data", "optimizer", "precision", "synthetic_shape", "synthetic_classes")
+
+
+def check_same_job(cfg: Config, path: str) -> dict:
+    """A checkpoint of another model would half-restore (TensorFlow only warns): refuse it.
+    Returns the checkpoint's meta."""
+    found = meta(path)
+    saved, now = found.get("config", {}), cfg.to_dict()
+    diff = [f"{k}: {saved[k]!r} there, {now[k]!r} now" for k in MUST_MATCH
+            if k in saved and saved[k] != now[k]]
+    if diff:
+        raise UserError(f"checkpoint {path} belongs to a different job ({'; '.join(diff)}); "
+                        f"use another --output-dir, or --no-auto-resume to start over")
+    return found

@@ -22,6 +22,9 @@ MODELS = ("mlp", "cnn", "resnet50")
 DATA_SOURCES = ("digits", "synthetic", "npz:PATH", "tfrecord:GLOB", "mnist", "fashion_mnist",
                 "cifar10", "module:function")
 OPTIMIZERS = ("sgd", "momentum", "adam", "rmsprop")
+# What a field left unset (None) falls back to when neither the model's own compile nor the data decide
+DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_OPTIMIZER = 32, 1e-3, "adam"
+BUILT_IN_VAL_SPLIT = 0.2  # held out from the built-in data sets that come without a validation split
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = ("constant", "step", "cosine")
 
@@ -34,19 +37,30 @@ def _f(default, help, **kw):
 class Config:
     config: Optional[str] = _f(None, "YAML file with any of these fields as keys; flags win over it")
     model: str = _f("mlp", f"model: one of {', '.join(MODELS)}, or module:function returning a "
-                           "tf.keras.Model (called with input_shape, num_classes)")
-    data: str = _f("digits", f"data source: one of {', '.join(DATA_SOURCES)}")
+                           "tf.keras.Model, compiled or not (it may take input_shape and/or num_classes)")
+    data: str = _f("digits", f"data source: one of {', '.join(DATA_SOURCES)}; a function may take a "
+                             "context (rank, workers, batch size) and shard itself")
     epochs: int = _f(10, "number of epochs")
-    batch_size: int = _f(32, "batch size per worker (global batch = batch_size x workers)")
-    lr: float = _f(1e-3, "learning rate for one worker; scaled by the number of workers")
-    optimizer: str = _f("adam", f"optimizer: one of {', '.join(OPTIMIZERS)}")
+    batch_size: Optional[int] = _f(None, f"batch size per worker (global batch = batch_size x workers); "
+                                         f"default: a batched pipeline's own, else {DEFAULT_BATCH_SIZE}")
+    lr: Optional[float] = _f(None, "learning rate for one worker, scaled by the number of workers; "
+                                   f"default: the compiled optimizer's, else {DEFAULT_LR}")
+    optimizer: Optional[str] = _f(None, f"optimizer: one of {', '.join(OPTIMIZERS)}; default: the "
+                                        f"model's compiled optimizer, else {DEFAULT_OPTIMIZER}")
+    loss: Optional[str] = _f(None, "Keras loss name (mse, binary_crossentropy, ...); default: the "
+                                   "compiled loss, else sparse categorical crossentropy; crossentropies "
+                                   "take from_logits from the model's output activation")
+    metrics: Optional[tuple] = _f(None, "Keras metric names; default: the compiled metrics, else "
+                                        "accuracy", nargs="*", item=str)
     warmup_epochs: float = _f(1.0, "epochs of linear warm-up from lr to lr x workers (0: none)")
     seed: int = _f(42, "random seed for weights and data order")
     output_dir: Optional[str] = _f(None, "where everything the run writes goes "
                                          "(default: runs/<model>-<data>)")
     steps_per_epoch: Optional[int] = _f(None, "cap on steps per epoch (default: one pass over "
                                               "each worker's shard)")
-    val_split: float = _f(0.2, "fraction held out for validation when the source has no split")
+    val_split: Optional[float] = _f(None, "fraction held out for validation when the data has no "
+                                          f"validation set; default: {BUILT_IN_VAL_SPLIT} for the "
+                                          "built-in data sets, none for yours (0: none)")
     shuffle: bool = _f(True, "reshuffle the training data every epoch (same order on every rank)")
     synthetic_shape: tuple = _f((32, 32, 3), "input shape of the synthetic source", nargs=3)
     synthetic_classes: int = _f(10, "classes of the synthetic source")
@@ -55,7 +69,12 @@ class Config:
     tensorboard: bool = _f(True, "write TensorBoard logs (rank 0)")
     save_model: bool = _f(True, "save the final model to output_dir/model.keras (rank 0)")
     worker_logs: bool = _f(True, "every worker writes output_dir/logs/rank<N>.log")
-    verbose: int = _f(1, "Keras progress on rank 0: 0 silent, 1 progress bar, 2 one line per epoch")
+    verbose: int = _f(1, "progress on rank 0: 0 silent, 1 a line every --log-every seconds (a bar on a "
+                         "terminal) and one per epoch, 2 one line per epoch")
+    log_every: float = _f(30.0, "seconds between progress lines within an epoch (verbose 1)")
+    steps_per_execution: int = _f(1, "training steps per call of the compiled step (Keras); more "
+                                     "amortizes Python overhead for small models")
+    jit_compile: bool = _f(False, "compile the training step with XLA (worth trying on GPUs)")
     # checkpoints
     checkpoint_every: int = _f(1, "write a checkpoint every N epochs and at the end (0: never)")
     keep_checkpoints: int = _f(3, "keep the last K checkpoints")
@@ -95,19 +114,27 @@ class Config:
                                "a failure rolls back to the last commit")
 
     # ---- validation: the one place ----
-    def validate(self) -> "Config":
+    def validate(self, model_object: bool = False, data_object: bool = False) -> "Config":
+        """model_object/data_object: hvdtrain.fit() was handed a model or data object, and `model`
+        or `data` only names it (for the output dir and the summary)."""
         for name in ("epochs", "batch_size", "synthetic_classes", "synthetic_samples",
-                     "keep_checkpoints", "backward_passes_per_step", "commit_every"):
-            if getattr(self, name) <= 0:
+                     "keep_checkpoints", "backward_passes_per_step", "commit_every", "steps_per_execution"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise UserError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
-        if not self.lr > 0:
+        if self.lr is not None and not self.lr > 0:
             raise UserError(f"--lr must be positive, got {self.lr}")
+        if self.log_every < 0:
+            raise UserError(f"--log-every must be >= 0 seconds, got {self.log_every}")
         if self.warmup_epochs < 0:
             raise UserError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
         if self.steps_per_epoch is not None and self.steps_per_epoch <= 0:
             raise UserError(f"--steps-per-epoch must be a positive integer, got {self.steps_per_epoch}")
-        if not 0 < self.val_split < 1:
-            raise UserError(f"--val-split must be between 0 and 1, got {self.val_split}")
+        if self.val_split is not None and not 0 <= self.val_split < 1:
+            raise UserError(f"--val-split must be at least 0 and below 1, got {self.val_split}")
+        if self.metrics is not None and not all(isinstance(m, str) and m for m in self.metrics):
+            raise UserError(f"--metrics takes Keras metric names, got {list(self.metrics)}")
+        if self.loss is not None and not self.loss:
+            raise UserError("--loss takes a Keras loss name, e.g. mse or binary_crossentropy")
         if self.threads < 0:
             raise UserError(f"--threads must be >= 0, got {self.threads}")
         if any(d <= 0 for d in self.synthetic_shape):
@@ -136,13 +163,15 @@ class Config:
                             "drop one of them")
         if self.resume and not (os.path.exists(self.resume) or os.path.exists(self.resume + ".index")):
             raise UserError(f"--resume {self.resume!r}: no such checkpoint")
-        if self.optimizer not in OPTIMIZERS:
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise UserError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-        if self.model not in MODELS and not _is_module_ref(self.model):
+        if not model_object and self.model not in MODELS and not _is_module_ref(self.model):
             raise UserError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)} "
                             "or give module:function")
         kind, _, arg = self.data.partition(":")
-        if kind in ("npz", "tfrecord"):
+        if data_object:
+            pass
+        elif kind in ("npz", "tfrecord"):
             if not arg:
                 raise UserError(f"--data {kind!r}: needs a path, e.g. {kind}:/data/train.{kind}")
             if kind == "npz" and not os.path.isfile(arg):
@@ -165,6 +194,7 @@ class Config:
         d = dataclasses.asdict(self)
         d["synthetic_shape"] = list(self.synthetic_shape)
         d["lr_decay_epochs"] = list(self.lr_decay_epochs)
+        d["metrics"] = None if self.metrics is None else list(self.metrics)
         return d
 
     @property
@@ -208,14 +238,15 @@ def build_parser(prog="hvdtrain") -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description="Data-parallel Keras training on Horovod. Run it alone, or "
                 "under horovodrun/mpirun for several workers.", argument_default=argparse.SUPPRESS)
     for f in dataclasses.fields(Config):
-        kw = {"help": f"{f.metadata['help']} (default: {f.default})"}
+        text = f.metadata["help"]
+        kw = {"help": text if "default:" in text else f"{text} (default: {f.default})"}
         if f.type in ("bool", bool):
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = _field_type(f)
             if "nargs" in f.metadata:
                 kw["nargs"] = f.metadata["nargs"]
-                kw["type"] = int
+                kw["type"] = f.metadata.get("item", int)
         p.add_argument(f"--{_flag(f.name)}", dest=f.name, **kw)
     return p
 
@@ -256,9 +287,14 @@ def _coerce(f, value, key):
         return None
     try:
         if "tuple" in t:
+            if isinstance(value, str) and f.metadata.get("item") is str:
+                value = [value]  # YAML `metrics: accuracy`
             if not isinstance(value, (list, tuple)):
                 raise ValueError
-            return tuple(int(v) for v in value)
+            item = f.metadata.get("item", int)
+            if item is str and not all(isinstance(v, str) for v in value):
+                raise ValueError
+            return tuple(item(v) for v in value)
         if "bool" in t:
             if not isinstance(value, bool):
                 raise ValueError

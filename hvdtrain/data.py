@@ -1,8 +1,18 @@
 """Data sources, and the shard of them that this worker reads.
 
-Every source becomes either in-memory arrays or a list of TFRecord files (or a user's tf.data
-pipeline), and then one rule applies: each worker reads only its own shard, and every worker runs the
-same number of steps per epoch, so an uneven split can never leave one rank waiting in an allreduce.
+Every source ends as one of three things: in-memory arrays, hvdtrain's own TFRecord files, or a
+tf.data pipeline (yours). One rule then holds: each worker reads only its own shard, and every worker
+runs the same number of steps per epoch, so an uneven split never leaves a rank waiting in an
+allreduce (and the samples it leaves out are logged).
+
+Your pipeline, `--data module:function` or `hvdtrain.fit(model, data)`:
+- `def dataset(ctx)` gets this worker's `DataContext` (rank, workers, batch sizes, seed, `shard`) and
+  returns a pipeline it already sharded, like tf.distribute's `dataset_fn(input_context)`;
+- `def dataset()` (or a Dataset object) describes the whole data set and hvdtrain shards it: by file
+  when the pipeline reads files and every worker gets at least one (TensorFlow's own auto-shard
+  rewrite, as tf.distribute does), by element otherwise;
+- it may return `(train, val)`; elements are whatever the model takes ((x, y), dicts, ...);
+- batched or not is read from the pipeline; a batched one is taken as per-worker batches.
 
 Shuffling is seeded by (seed, epoch), identical on every rank, and done *before* element sharding:
 the union of the workers' batches at step k is then exactly the global batch one worker would see at
@@ -12,71 +22,167 @@ from __future__ import annotations
 
 import glob
 import importlib
-from dataclasses import dataclass
-from typing import Callable, Optional
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .config import Config, UserError
 from . import runtime
+from .config import BUILT_IN_VAL_SPLIT, DEFAULT_BATCH_SIZE, Config, UserError
 from .runtime import World
 
 SPLIT_SEED = 0  # the train/validation split does not move with --seed, so runs stay comparable
+SHUFFLE_BUFFER = 10_000
 
 
 @dataclass
 class Data:
-    """What the trainer needs: a per-epoch training pipeline and the facts about it."""
-    epoch: Callable[[int], "tf.data.Dataset"]  # batched dataset for one epoch of this worker's shard
-    val: Optional["tf.data.Dataset"]
+    """What the trainer needs: this worker's training stream and the facts about it."""
+    epoch: Optional[Callable]  # epoch -> batched dataset of this worker's shard; None: a continuous stream
+    val: Optional["tf.data.Dataset"]  # this worker's part of the validation set, batched
     steps_per_epoch: int
-    input_shape: tuple
-    num_classes: int
-    num_samples: int  # training samples in the whole data set
-    sharding: str  # "element" or "file"
+    batch_size: int  # per worker
+    element_spec: Any  # of one batch
+    num_samples: Optional[int]  # training samples in the whole data set (None: not counted)
+    sharding: str  # "element", "file", "batch", "yours" or "none"
+    num_classes: Optional[int] = None  # asked of the data for the built-in models only
+    continuous: Optional["tf.data.Dataset"] = None  # a repeating or infinite pipeline, batched
+    notes: list = field(default_factory=list)  # lines rank 0 logs once
 
     def stream(self, first_epoch: int, epochs: int):
         """Epochs first_epoch..epochs-1 back to back, for model.fit(steps_per_epoch=...)."""
         import tensorflow as tf
 
+        if self.epoch is None:  # Keras keeps one iterator across epochs when steps are given
+            return self.continuous.prefetch(tf.data.AUTOTUNE)
         return (tf.data.Dataset.range(first_epoch, epochs)
                 .flat_map(self.epoch)
                 .prefetch(tf.data.AUTOTUNE))
 
+    @property
+    def input_shape(self):
+        """The model's input shape, from the data: a tuple, or a dict/list of them for several inputs."""
+        x = self.element_spec[0] if isinstance(self.element_spec, tuple) else self.element_spec
+        import tensorflow as tf
 
-def load(cfg: Config, world: World) -> Data:
-    kind, _, arg = cfg.data.partition(":")
-    if kind == "tfrecord":
-        return _from_tfrecords(cfg, world, arg)
-    if kind in _ARRAY_SOURCES:
-        return _from_arrays(cfg, world, *_ARRAY_SOURCES[kind](cfg, arg))
-    if kind == "npz":
-        return _from_arrays(cfg, world, *_load_npz(cfg, arg))
-    return _from_module(cfg, world)
+        return tf.nest.map_structure(lambda s: tuple(s.shape[1:]), x)
+
+
+@dataclass
+class DataContext:
+    """What `def dataset(ctx)` learns about its worker. It also answers to the names of
+    tf.distribute.InputContext, so a tf.distribute `dataset_fn(input_context)` works unchanged."""
+    rank: int
+    num_workers: int
+    local_rank: int
+    batch_size: int  # per worker
+    seed: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.num_workers
+
+    # tf.distribute.InputContext
+    @property
+    def num_input_pipelines(self) -> int:
+        return self.num_workers
+
+    @property
+    def input_pipeline_id(self) -> int:
+        return self.rank
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.num_workers
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        if global_batch_size % self.num_workers:
+            raise ValueError(f"global batch size {global_batch_size} is not divisible by "
+                             f"{self.num_workers} workers")
+        return global_batch_size // self.num_workers
+
+    def shard(self, ds):
+        """This worker's shard of `ds`: by file when it reads files and every worker gets one, else by
+        element (the same rule hvdtrain applies to a pipeline it shards itself)."""
+        return shard(ds, self.rank, self.num_workers)[0]
+
+
+def load(cfg: Config, world: World, source=None, validation=None, need_classes: bool = False) -> Data:
+    """This worker's Data from `source` (a --data string, a function, a Dataset or arrays; default
+    cfg.data). need_classes: the built-in models need the number of classes from the labels."""
+    source = cfg.data if source is None else source
+    if isinstance(source, str):
+        kind, _, arg = source.partition(":")
+        if kind == "tfrecord":
+            return _from_tfrecords(cfg, world, arg)
+        if kind in _ARRAY_SOURCES:
+            return _from_arrays(cfg, world, *_ARRAY_SOURCES[kind](cfg, arg, need_classes))
+        if kind == "npz":
+            return _from_arrays(cfg, world, *_load_npz(cfg, arg, need_classes))
+        source = resolve(source, "--data")
+    name = cfg.data
+    user_shards = False
+    if callable(source) and not _is_dataset(source):
+        source, user_shards = _call_data_function(source, cfg, world)
+    if validation is None and isinstance(source, (tuple, list)) and len(source) == 2 \
+            and all(_is_dataset(d) for d in source):
+        source, validation = source
+    if _is_dataset(source):
+        if validation is not None and not _is_dataset(validation):
+            validation = _dataset_from_arrays(validation, name)
+        return _from_pipeline(cfg, world, name, source, validation, user_shards, need_classes)
+    if isinstance(source, (tuple, list)) and len(source) == 2:  # (x, y) arrays
+        x, y = source
+        xv, yv = validation if validation is not None else (None, None)
+        if validation is None and cfg.val_split:
+            x, y, xv, yv = _split(x, y, cfg.val_split)
+        return _from_arrays(cfg, world, x, y, xv, yv)
+    raise UserError(f"--data {name}: expected a tf.data.Dataset (or a (train, val) pair of them), "
+                    f"or (x, y) arrays, got {type(source).__name__}")
+
+
+def _is_dataset(obj) -> bool:
+    import tensorflow as tf
+
+    return isinstance(obj, tf.data.Dataset)
+
+
+def _call_data_function(fn, cfg: Config, world: World):
+    """Call `dataset(ctx)` or `dataset()`; returns (what it made, whether it sharded itself)."""
+    try:
+        takes_ctx = len(inspect.signature(fn).parameters) > 0
+    except (TypeError, ValueError):
+        takes_ctx = False
+    if not takes_ctx:
+        return fn(), False
+    ctx = DataContext(rank=world.rank, num_workers=world.size, local_rank=world.local_rank,
+                      batch_size=cfg.batch_size or DEFAULT_BATCH_SIZE, seed=cfg.seed)
+    return fn(ctx), True
 
 
 # ---------------------------------------------------------------- sources that fit in memory
 
-def _digits(cfg, _):
+def _digits(cfg, _, need_classes):
     from sklearn.datasets import load_digits
 
     d = load_digits()
     x = (d.images / 16.0).astype(np.float32)[..., None]
-    return _split(x, d.target.astype(np.int64), cfg.val_split)
+    return _split(x, d.target.astype(np.int64), _built_in_split(cfg))
 
 
-def _synthetic(cfg, _):
+def _synthetic(cfg, _, need_classes):
     """Random inputs with learnable labels (a fixed random linear map), the same on every rank."""
     rng = np.random.default_rng(1234)
     shape = tuple(cfg.synthetic_shape)
     x = rng.standard_normal((cfg.synthetic_samples, *shape), dtype=np.float32)
     w = rng.standard_normal((int(np.prod(shape)), cfg.synthetic_classes), dtype=np.float32)
     y = np.argmax(x.reshape(len(x), -1) @ w, axis=1).astype(np.int64)
-    return _split(x, y, cfg.val_split)
+    return _split(x, y, _built_in_split(cfg))
 
 
 def _keras_dataset(name):
-    def load_(cfg, _):
+    def load_(cfg, _, need_classes):
         import tensorflow as tf
 
         try:
@@ -95,7 +201,11 @@ _ARRAY_SOURCES = {"digits": _digits, "synthetic": _synthetic, "mnist": _keras_da
                   "fashion_mnist": _keras_dataset("fashion_mnist"), "cifar10": _keras_dataset("cifar10")}
 
 
-def _load_npz(cfg, path):
+def _built_in_split(cfg: Config) -> float:
+    return BUILT_IN_VAL_SPLIT if cfg.val_split is None else cfg.val_split
+
+
+def _load_npz(cfg, path, need_classes):
     try:
         with np.load(path) as f:
             arrays = {k: f[k] for k in f.files}
@@ -104,12 +214,13 @@ def _load_npz(cfg, path):
     for key in ("x", "y"):
         if key not in arrays:
             raise UserError(f"--data npz:{path}: no array '{key}' (has: {', '.join(arrays) or 'none'})")
-    x, y = arrays["x"].astype(np.float32), _labels(arrays["y"], f"npz:{path} y")
+    targets = (lambda y, what: _labels(y, what)) if need_classes else (lambda y, what: np.asarray(y))
+    x, y = arrays["x"].astype(np.float32), targets(arrays["y"], f"npz:{path} y")
     if len(x) != len(y):
         raise UserError(f"--data npz:{path}: x has {len(x)} samples but y has {len(y)}")
     if "x_val" in arrays and "y_val" in arrays:
-        return x, y, arrays["x_val"].astype(np.float32), _labels(arrays["y_val"], f"npz:{path} y_val")
-    return _split(x, y, cfg.val_split)
+        return x, y, arrays["x_val"].astype(np.float32), targets(arrays["y_val"], f"npz:{path} y_val")
+    return _split(x, y, _built_in_split(cfg))
 
 
 def _labels(y, what):
@@ -124,34 +235,58 @@ def _labels(y, what):
 
 
 def _split(x, y, val_split):
-    order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
-    n_val = int(round(len(x) * val_split))
+    """A fixed random split (SPLIT_SEED) of arrays, or of dicts/lists of arrays."""
+    import tensorflow as tf
+
+    n = len(tf.nest.flatten(y)[0])
+    order = np.random.default_rng(SPLIT_SEED).permutation(n)
+    n_val = int(round(n * (val_split or 0)))
     val, train = order[:n_val], order[n_val:]
-    return x[train], y[train], x[val], y[val]
+    take = lambda a, idx: tf.nest.map_structure(lambda v: np.asarray(v)[idx], a)
+    return take(x, train), take(y, train), take(x, val), take(y, val)
 
 
 def _from_arrays(cfg: Config, world: World, x, y, xv, yv) -> Data:
+    """Shuffle the indices, shard them, gather the batches: the arrays are never copied per epoch."""
     import tensorflow as tf
 
-    n = len(x)
-    steps = _steps(cfg, world, n // world.size, n)
-    xt, yt = tf.constant(x), tf.constant(y)
-    take = steps * cfg.batch_size
+    batch = cfg.batch_size or DEFAULT_BATCH_SIZE
+    n = len(tf.nest.flatten(y)[0])
+    steps, notes = _agree_steps(cfg, world, runtime.gather(_shard_size(n, world)), batch, n)
+    xt, yt = tf.nest.map_structure(tf.constant, x), tf.nest.map_structure(tf.constant, y)
+    take = steps * batch
 
     def epoch(e):
         idx = tf.data.Dataset.range(n)
         if cfg.shuffle:
             idx = idx.shuffle(n, seed=_epoch_seed(cfg.seed, e), reshuffle_each_iteration=False)
         return (idx.shard(world.size, world.rank).take(take)
-                .batch(cfg.batch_size, drop_remainder=True)
-                .map(lambda i: (tf.gather(xt, i), tf.gather(yt, i))))
+                .batch(batch, drop_remainder=True)
+                .map(lambda i: tf.nest.map_structure(lambda a: tf.gather(a, i), (xt, yt))))
 
     val = None
-    if len(xv):
-        val = (tf.data.Dataset.from_tensor_slices((xv, yv)).shard(world.size, world.rank)
-               .batch(cfg.batch_size))
-    classes = int(max(y.max(initial=0), yv.max(initial=0))) + 1
-    return Data(epoch, val, steps, tuple(x.shape[1:]), classes, n, "element")
+    if xv is not None and len(tf.nest.flatten(yv)[0]):
+        val = tf.data.Dataset.from_tensor_slices((xv, yv)).shard(world.size, world.rank).batch(batch)
+    classes, labels = None, np.asarray(tf.nest.flatten(y)[0])
+    if labels.ndim == 2:  # one-hot
+        classes = labels.shape[1]
+    elif np.issubdtype(labels.dtype, np.integer):
+        classes = max(int(np.max(a, initial=0)) for a in (labels, *tf.nest.flatten(yv)[:1])
+                      if a is not None) + 1
+    return Data(epoch, val, steps, batch, epoch(0).element_spec, n, "element", classes, notes=notes)
+
+
+def _dataset_from_arrays(pair, name):
+    import tensorflow as tf
+
+    if isinstance(pair, (tuple, list)) and len(pair) == 2:
+        return tf.data.Dataset.from_tensor_slices(tuple(pair))
+    raise UserError(f"--data {name}: validation data must be a tf.data.Dataset or (x, y) arrays, "
+                    f"got {type(pair).__name__}")
+
+
+def _shard_size(n: int, world: World) -> int:
+    return (n - world.rank + world.size - 1) // world.size
 
 
 def _epoch_seed(seed, epoch):
@@ -161,16 +296,34 @@ def _epoch_seed(seed, epoch):
     return tf.cast(seed, tf.int64) * 1_000_003 + tf.cast(epoch, tf.int64)
 
 
-def _steps(cfg: Config, world: World, shard_samples: int, total: int) -> int:
-    steps = shard_samples // cfg.batch_size
+def _agree_steps(cfg: Config, world: World, shard_sizes: list, batch: int, total: int, unit="samples"):
+    """Steps per epoch every rank can run: the smallest shard decides (--steps-per-epoch caps it).
+
+    shard_sizes: every rank's shard, in samples (or batches for a batched pipeline, batch=1).
+    Returns (steps, notes): the notes say what each rank leaves out of every epoch.
+    """
+    if total == 0:
+        raise UserError(f"--data {cfg.data}: the data set is empty")
+    steps = min(shard_sizes) // batch
     if steps == 0:
-        raise UserError(f"--data {cfg.data}: {total} training samples is fewer than "
-                        f"workers x batch size = {world.size} x {cfg.batch_size}; "
+        what = f"workers x batch size = {world.size} x {batch}" if unit == "samples" else \
+            f"the {world.size} workers (one batch each)"
+        raise UserError(f"--data {cfg.data}: {total} training {unit} is fewer than {what}; "
                         f"lower --batch-size or use fewer workers")
-    return min(steps, cfg.steps_per_epoch or steps)
+    notes = []
+    if cfg.steps_per_epoch and cfg.steps_per_epoch < steps:
+        return cfg.steps_per_epoch, notes
+    left = [s - steps * batch for s in shard_sizes]
+    if any(left):
+        per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(left) if n)
+        notes.append(f"{steps} steps per epoch on every worker (the smallest shard decides); {unit} "
+                     f"left out of each epoch: {per_rank}" +
+                     (" (a different set every epoch: the order is reshuffled)" if cfg.shuffle and
+                      unit == "samples" else ""))
+    return steps, notes
 
 
-# ---------------------------------------------------------------- TFRecord files
+# ---------------------------------------------------------------- hvdtrain's own TFRecord files
 
 def write_tfrecords(x: np.ndarray, y: np.ndarray, prefix: str, num_files: int) -> list:
     """Write arrays as TFRecord files of tf.train.Example{x: serialized float32 tensor, y: int64}."""
@@ -228,19 +381,19 @@ def _from_tfrecords(cfg: Config, world: World, pattern: str) -> Data:
     files = sorted(glob.glob(pattern))
     if not files:
         raise UserError(f"--data tfrecord:{pattern}: no files match")
+    batch = cfg.batch_size or DEFAULT_BATCH_SIZE
     by_file = len(files) >= world.size
     mine = files[world.rank::world.size] if by_file else files
     count, top = _scan(mine, None if by_file else (world.size, world.rank))
     counts_tops = runtime.gather((count, top))
-    shard_min = min(c for c, _ in counts_tops)
     total = sum(c for c, _ in counts_tops)  # shards are disjoint either way
-    steps = _steps(cfg, world, shard_min, total)
+    steps, notes = _agree_steps(cfg, world, [c for c, _ in counts_tops], batch, total)
     classes = max(t for _, t in counts_tops) + 1
     first = next(iter(tf.data.TFRecordDataset(files[:1]).take(1)))
     shape = tuple(tf.io.parse_tensor(tf.io.parse_single_example(
         first, {"x": tf.io.FixedLenFeature([], tf.string)})["x"], tf.float32).shape)
     parse = _parse_fn(shape)
-    take = steps * cfg.batch_size
+    take = steps * batch
 
     def epoch(e):
         names = tf.data.Dataset.from_tensor_slices(mine)
@@ -252,14 +405,15 @@ def _from_tfrecords(cfg: Config, world: World, pattern: str) -> Data:
             ds = ds.shard(world.size, world.rank)
         ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE)
         if cfg.shuffle:
-            ds = ds.shuffle(min(10_000, take), seed=_epoch_seed(cfg.seed, e) + 1,
+            ds = ds.shuffle(min(SHUFFLE_BUFFER, take), seed=_epoch_seed(cfg.seed, e) + 1,
                             reshuffle_each_iteration=False)
-        return ds.take(take).batch(cfg.batch_size, drop_remainder=True)
+        return ds.take(take).batch(batch, drop_remainder=True)
 
-    return Data(epoch, None, steps, shape, classes, total, "file" if by_file else "element")
+    return Data(epoch, None, steps, batch, epoch(0).element_spec, total, "file" if by_file else "element",
+                classes, notes=notes)
 
 
-# ---------------------------------------------------------------- a user's own tf.data pipeline
+# ---------------------------------------------------------------- a tf.data pipeline (yours)
 
 def resolve(ref: str, what: str):
     """Import module:function, with one clear error when it does not."""
@@ -274,32 +428,245 @@ def resolve(ref: str, what: str):
     return fn
 
 
-def _from_module(cfg: Config, world: World) -> Data:
-    """`module:function` returns an unbatched tf.data.Dataset of (x, y), or a (train, val) pair.
+# tf.data's Python classes, by what they do to the elements that pass through (TensorFlow 2.15)
+_ONE_TO_ONE = {"_MapDataset", "_ParallelMapDataset", "_PrefetchDataset", "_ShuffleDataset",
+               "_OptionsDataset", "CacheDataset", "_AssertCardinalityDataset", "_ModelDataset",
+               "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset"}
+_KEEP_BATCHING = _ONE_TO_ONE | {"_FilterDataset", "_TakeDataset", "_SkipDataset", "_RepeatDataset",
+                                "_ShardDataset", "_IgnoreErrorsDataset", "_TakeWhileDataset"}
+_BATCHERS = {"_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset", "_RebatchDataset",
+             "_DenseToRaggedDataset", "_DenseToSparseBatchDataset"}
 
-    It describes the whole data set; hvdtrain shards it by element, shuffles and batches it.
+
+def _upstream(ds, through: set):
+    """ds, then what it reads from, for as long as each step is one of `through` (by class name)."""
+    while True:
+        yield ds
+        if type(ds).__name__ not in through or not hasattr(ds, "_input_dataset"):
+            return
+        ds = ds._input_dataset
+
+
+def batching(ds):
+    """(batched, batch size or None) of a pipeline.
+
+    The pipeline's own last batch/unbatch decides when tf.data's Python objects show it; otherwise the
+    element_spec does: a scalar component cannot be a batch, and a leading dimension unknown in every
+    component is one.
     """
     import tensorflow as tf
 
-    made = resolve(cfg.data, "--data")()
-    train, val = made if isinstance(made, tuple) else (made, None)
-    if not isinstance(train, tf.data.Dataset):
-        raise UserError(f"--data {cfg.data}: expected a tf.data.Dataset of (x, y), got {type(train).__name__}")
-    n = int(train.cardinality())
-    if n < 0:
-        n = int(train.reduce(np.int64(0), lambda c, _: c + 1))
-    top = int(train.map(lambda x, y: tf.cast(tf.reduce_max(y), tf.int64))
-              .reduce(np.int64(-1), tf.maximum))
-    steps = _steps(cfg, world, n // world.size, n)
-    take = steps * cfg.batch_size
-    shape = tuple(train.element_spec[0].shape)
+    for d in _upstream(ds, _KEEP_BATCHING):
+        name = type(d).__name__
+        if name in _BATCHERS:
+            size = getattr(d, "_batch_size", None)
+            try:
+                return True, int(size) if size is not None else None
+            except (TypeError, ValueError):
+                return True, None
+        if name == "_UnbatchDataset":
+            return False, None
+    shapes = [s.shape for s in tf.nest.flatten(ds.element_spec) if hasattr(s, "shape")]
+    if not shapes or any(s.rank == 0 for s in shapes):
+        return False, None
+    leading = {s[0] if s.rank else None for s in shapes}
+    if leading == {None}:
+        return True, None
+    return False, None
+
+
+def _reshuffles(ds) -> bool:
+    """Does the pipeline shuffle anew every epoch (so no fixed part of it can be held out)?"""
+    return any(type(d).__name__ == "_ShuffleDataset" and getattr(d, "_reshuffle_each_iteration", True)
+               for d in _upstream(ds, _KEEP_BATCHING))
+
+
+def _hold_out(ds, fraction: float, name: str):
+    """(train, val): every element whose position i has floor((i+1) f) > floor(i f) is validation,
+    so exactly floor(n f) of n are, with no pass to count them and the same split every epoch."""
+    import tensorflow as tf
+
+    if ds.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise UserError(f"--val-split cannot split {name}: it is infinite (it repeats); return "
+                        f"(train, val) from it instead")
+    if _reshuffles(ds):
+        raise UserError(f"--val-split cannot split {name}: it reshuffles every epoch, so a held-out "
+                        f"part would change and leak into training; return (train, val) instead (e.g. "
+                        f"image_dataset_from_directory(validation_split=..., subset='both', seed=...))")
+    def is_val(i, *_):
+        f = tf.constant(fraction, tf.float64)
+        return tf.floor(tf.cast(i + 1, tf.float64) * f) > tf.floor(tf.cast(i, tf.float64) * f)
+
+    def is_train(i, *element):
+        return tf.logical_not(is_val(i))
+
+    def element(i, *rest):
+        return rest[0] if len(rest) == 1 else rest
+
+    pos = ds.enumerate()
+    train, val = pos.filter(is_train).map(element), pos.filter(is_val).map(element)
+    n = int(ds.cardinality())
+    if n >= 0:  # known: keep it known, so no count is needed later
+        n_val = int(np.floor(n * fraction))
+        train = train.apply(tf.data.experimental.assert_cardinality(n - n_val))
+        val = val.apply(tf.data.experimental.assert_cardinality(n_val))
+    return train, val
+
+
+def shard(ds, rank: int, workers: int):
+    """(this worker's shard of ds, a pipeline with the same count that skips the parsing, "file" or
+    "element", why not by file or None).
+
+    By file when the pipeline reads files and every worker's share of them holds data: TensorFlow's
+    auto-shard rewrite (what tf.distribute does) inserts the shard in front of the reader. tf.data's
+    FILE policy would leave a worker with nothing when there are fewer files than workers, so that case
+    falls back to element sharding (every worker reads everything and keeps every Nth element). A
+    pipeline whose options say AutoShardPolicy.DATA is sharded by element, OFF not at all.
+    """
+    import tensorflow as tf
+    from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
+
+    reader = list(_upstream(ds, _ONE_TO_ONE))[-1]  # under the maps: the same count, no parsing
+    policy = ds.options().experimental_distribute.auto_shard_policy
+    if workers == 1 or policy == tf.data.experimental.AutoShardPolicy.OFF:
+        return ds, reader, "none", None
+    by_element = (ds.shard(workers, rank), reader.shard(workers, rank), "element")
+    if policy == tf.data.experimental.AutoShardPolicy.DATA:
+        return (*by_element, None)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+    try:
+        by_file = _AutoShardDataset(ds.with_options(options), workers, rank)
+    except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError):
+        return (*by_element, None)  # no file reader in the pipeline
+    my_reader = _AutoShardDataset(reader.with_options(options), workers, rank)
+    try:
+        nothing = next(iter(my_reader.take(1)), None) is None
+    except tf.errors.InvalidArgumentError:  # "the dataset only has 1 file(s), which is not enough"
+        nothing = True
+    empty = runtime.gather(int(nothing))
+    if any(empty):
+        why = (f"it reads fewer files than the {workers} workers: sharded by element instead, so every "
+               f"worker reads every file")
+        return (*by_element, why)
+    return by_file, my_reader, "file", None
+
+
+def _count(ds, name: str) -> int:
+    """Elements of a finite pipeline (this worker's shard): its cardinality, or one pass over it."""
+    import tensorflow as tf
+
+    n = int(ds.cardinality())
+    if n >= 0:
+        return n
+    try:
+        return int(ds.reduce(np.int64(0), lambda c, _: c + 1))
+    except tf.errors.OpError as e:
+        raise UserError(f"--data {name}: reading it failed ({e.message.splitlines()[0][:300]})") from None
+
+
+def _num_classes(ds, batched: bool, name: str) -> int:
+    """For the built-in models and functions that take num_classes: one-hot (or multi-hot) labels
+    say it in their last dimension; class indices by their largest value (one pass over my shard)."""
+    import tensorflow as tf
+
+    spec = ds.element_spec
+    if not (isinstance(spec, tuple) and len(spec) >= 2 and hasattr(spec[1], "dtype")):
+        raise UserError(f"--data {name}: num_classes comes from (x, y) elements, whose y holds class "
+                        f"indices or one-hot rows")
+    label_rank = spec[1].shape.rank - (1 if batched else 0)
+    if label_rank >= 1 and spec[1].shape[-1] is not None:
+        return int(spec[1].shape[-1])
+    if not spec[1].dtype.is_integer:
+        raise UserError(f"--data {name}: the built-in models classify, so y must be integer class "
+                        f"indices (or one-hot rows), got {spec[1].dtype.name}; bring your own model "
+                        f"(--model module:function) for regression")
+    top = int(ds.map(lambda *e: tf.cast(tf.reduce_max(e[1]), tf.int64)).reduce(np.int64(-1), tf.maximum))
+    return max(runtime.gather(top)) + 1
+
+
+def _from_pipeline(cfg: Config, world: World, name: str, train, val, user_shards: bool,
+                   need_classes: bool) -> Data:
+    import tensorflow as tf
+
+    batched, own_batch = batching(train)
+    notes = []
+    if batched:
+        batch = own_batch or _peek_batch_size(train)
+        if cfg.batch_size and cfg.batch_size != batch:
+            notes.append(f"{name} is batched by {batch} per worker, so that is the batch size; "
+                         f"--batch-size {cfg.batch_size} is not used")
+    else:
+        batch = cfg.batch_size or DEFAULT_BATCH_SIZE
+    if val is None and cfg.val_split:
+        train, val = _hold_out(train, cfg.val_split, name)
+        notes.append(f"validation: {cfg.val_split:g} of {name} held out by position (--val-split), "
+                     f"the same {'batches' if batched else 'elements'} every epoch")
+
+    # shard (unless the function did), then agree on the steps
+    if user_shards:
+        how, why = "yours", None
+        pre, post, countable = train, (lambda ds: ds), list(_upstream(train, _ONE_TO_ONE))[-1]
+    else:
+        sharded, countable, how, why = shard(train, world.rank, world.size)
+        if how == "file":  # shuffle after sharding: each worker shuffles its own records
+            pre, post = sharded, (lambda ds: ds)
+        elif how == "element":  # shuffle before: every rank shuffles the same way, keeps its part
+            pre, post = train, (lambda ds: ds.shard(world.size, world.rank))
+        else:
+            pre, post = train, (lambda ds: ds)
+        if how == "element" and batched:
+            how = "batch"
+        if why:
+            notes.append(f"{name}: {why}")
+    if val is not None:
+        val = val if batching(val)[0] else val.batch(batch)
+        if not user_shards and world.size > 1:
+            val = shard(val, world.rank, world.size)[0]
+
+    mine = post(pre)
+    cardinality = int(mine.cardinality())
+    if cardinality == tf.data.INFINITE_CARDINALITY or (cardinality < 0 and cfg.steps_per_epoch):
+        if not cfg.steps_per_epoch:
+            raise UserError(f"--data {name} is infinite (it repeats): give --steps-per-epoch N, the "
+                            f"steps that make one epoch")
+        notes.append(f"{name} is {'infinite' if cardinality == tf.data.INFINITE_CARDINALITY else 'of unknown size'}"
+                     f": each epoch is --steps-per-epoch {cfg.steps_per_epoch} steps of one stream "
+                     f"that goes on across epochs")
+        stream = mine.repeat() if batched else mine.repeat().batch(batch, drop_remainder=True)
+        classes = _classes(need_classes, mine.take(cfg.steps_per_epoch * (1 if batched else batch)),
+                           batched, name)
+        return Data(None, val, cfg.steps_per_epoch, batch, stream.element_spec, None, how, classes,
+                    continuous=stream, notes=notes)
+
+    sizes = runtime.gather(cardinality if cardinality >= 0 else _count(countable, name))
+    unit = "batches" if batched else "samples"
+    steps, more = _agree_steps(cfg, world, sizes, 1 if batched else batch, sum(sizes), unit)
+    classes = _classes(need_classes, mine, batched, name)
+    take = steps if batched else steps * batch
 
     def epoch(e):
-        ds = train
-        if cfg.shuffle:
-            ds = ds.shuffle(min(n, 10_000), seed=_epoch_seed(cfg.seed, e), reshuffle_each_iteration=False)
-        return ds.shard(world.size, world.rank).take(take).batch(cfg.batch_size, drop_remainder=True)
+        ds = pre
+        if cfg.shuffle and not batched:
+            ds = ds.shuffle(min(SHUFFLE_BUFFER, max(1, sum(sizes))), seed=_epoch_seed(cfg.seed, e),
+                            reshuffle_each_iteration=False)
+        ds = post(ds).take(take)
+        return ds if batched else ds.batch(batch, drop_remainder=True)
 
-    if val is not None:
-        val = val.shard(world.size, world.rank).batch(cfg.batch_size)
-    return Data(epoch, val, steps, shape, top + 1, n, "element")
+    total = None if batched else sum(sizes)
+    return Data(epoch, val, steps, batch, epoch(0).element_spec, total, how, classes,
+                notes=notes + more)
+
+
+def _classes(need: bool, ds, batched: bool, name: str) -> Optional[int]:
+    return _num_classes(ds, batched, name) if need else None
+
+
+def _peek_batch_size(ds) -> int:
+    """A batched pipeline whose batch size tf.data does not say: look at its first batch."""
+    import tensorflow as tf
+
+    first = next(iter(ds.take(1)), None)
+    if first is None:
+        return DEFAULT_BATCH_SIZE
+    return int(tf.nest.flatten(first)[0].shape[0])

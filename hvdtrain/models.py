@@ -1,24 +1,64 @@
-"""Models by name, or a user's own `module:function(input_shape, num_classes) -> tf.keras.Model`.
+"""Models by name, or yours; and how each is compiled for training.
 
-All return logits; the trainer uses a from_logits loss. None uses dropout, so data-parallel runs at
-different worker counts can be compared weight for weight.
+Yours is `--model module:function` (or a tf.keras.Model handed to hvdtrain.fit), compiled or not. The
+function may take `input_shape` and/or `num_classes` (read from the data) or nothing. A compiled
+model keeps its loss, loss weights, metrics and optimizer (hvdtrain scales and wraps the optimizer
+only); an uncompiled one gets `--loss`/`--metrics`, else a classification loss whose from_logits
+follows the model's output activation.
+
+The built-in models return logits and use no dropout, so data-parallel runs at different worker
+counts can be compared weight for weight.
 """
 from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
 
 from .config import UserError
 from .data import resolve
 
+_FROM_LOGITS_LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "binary_crossentropy")
 
-def build(name: str, input_shape: tuple, num_classes: int):
+
+def needs_classes(name) -> bool:
+    """Does building this model need the number of classes from the data?"""
+    if not isinstance(name, str):
+        return False
+    if name in BUILDERS:
+        return True
+    return "num_classes" in _parameters(resolve(name, "--model"))
+
+
+def build(name: str, data):
+    """The model `name` for `data` (a data.Data): built-in, or module:function."""
     import tensorflow as tf
 
-    builders = {"mlp": _mlp, "cnn": _cnn, "resnet50": _resnet50}
-    if name in builders:
-        return builders[name](tuple(input_shape), num_classes)
-    model = resolve(name, "--model")(tuple(input_shape), num_classes)
+    if name in BUILDERS:
+        shape = data.input_shape
+        if not isinstance(shape, tuple) or not all(isinstance(d, int) for d in shape):
+            raise UserError(f"--model {name} takes one input tensor, but the data's inputs are {shape}; "
+                            f"bring your own model (--model module:function)")
+        return BUILDERS[name](shape, data.num_classes)
+    fn = resolve(name, "--model")
+    wanted = _parameters(fn)
+    given = {"input_shape": lambda: data.input_shape, "num_classes": lambda: data.num_classes}
+    unknown = [p for p in wanted if p not in given]
+    if unknown:
+        raise UserError(f"--model {name}: the function may take input_shape and/or num_classes, "
+                        f"not {', '.join(unknown)}")
+    model = fn(**{p: given[p]() for p in wanted})
     if not isinstance(model, tf.keras.Model):
         raise UserError(f"--model {name}: expected a tf.keras.Model, got {type(model).__name__}")
     return model
+
+
+def _parameters(fn) -> list:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def _mlp(shape, classes):
@@ -62,3 +102,149 @@ def _resnet50(shape, classes):
     net = tf.keras.applications.ResNet50(weights=None, input_shape=(h, w, shape[2]), classes=classes,
                                          classifier_activation=None)
     return tf.keras.Model(inputs, net(x), name="resnet50")
+
+
+BUILDERS = {"mlp": _mlp, "cnn": _cnn, "resnet50": _resnet50}
+
+
+# ---------------------------------------------------------------- compiling for training
+
+@dataclass
+class Compile:
+    """How the model is compiled for training: the user's own compile, kept, or hvdtrain's choice."""
+    optimizer: object  # the model's compiled optimizer (None: not compiled)
+    kwargs: dict  # everything model.compile takes but the optimizer
+    loss: str  # what the loss is, in words, for the summary
+    notes: list = field(default_factory=list)
+
+
+def compile_plan(model, cfg) -> Compile:
+    """Keep what the user compiled; flags replace parts of it (with a note); fill in what is missing."""
+    user = dict(model._compile_config.config) if getattr(model, "_is_compiled", False) and \
+        hasattr(model, "_compile_config") else {}
+    notes = []
+    activations = output_activations(model)
+    if cfg.loss:
+        loss = _named_loss(cfg.loss, activations)
+        if user.get("loss") is not None:
+            notes.append(f"--loss {cfg.loss} replaces the model's compiled loss {_describe(user['loss'])}")
+        described = cfg.loss
+    elif user.get("loss") is not None or (user and type(model).train_step is not _keras_train_step()):
+        loss, described = user.get("loss"), f"{_describe(user.get('loss'))} (model.compile)"
+    else:
+        loss, described = _default_loss(model, activations)
+    binary_logits = _binary_logits(loss, activations)
+    if cfg.metrics is not None:
+        metrics = [_named_metric(m, binary_logits) for m in cfg.metrics]
+        if user.get("metrics"):
+            notes.append(f"--metrics {' '.join(cfg.metrics)} replace the model's compiled metrics")
+    elif user:
+        metrics = user.get("metrics")
+    else:
+        metrics = [_named_metric("accuracy", binary_logits)]
+    kwargs = {"loss": loss, "metrics": metrics,
+              "loss_weights": user.get("loss_weights"), "weighted_metrics": user.get("weighted_metrics"),
+              "run_eagerly": user.get("run_eagerly"),
+              "steps_per_execution": cfg.steps_per_execution or user.get("steps_per_execution"),
+              "jit_compile": cfg.jit_compile if cfg.jit_compile is not None else user.get("jit_compile")}
+    return Compile(user.get("optimizer"), kwargs, described, notes)
+
+
+def _keras_train_step():
+    import tensorflow as tf
+
+    return tf.keras.Model.train_step
+
+
+def output_activations(model) -> list:
+    """The activation at each output of a functional or sequential model ('softmax', 'sigmoid',
+    'linear', ...), or None where it cannot be read (a subclassed model)."""
+    import tensorflow as tf
+
+    try:
+        outputs = model.outputs or []
+    except AttributeError:
+        outputs = []
+    found = []
+    for t in outputs:
+        layer = getattr(getattr(t, "_keras_history", None), "layer", None)
+        if isinstance(layer, tf.keras.layers.Softmax):
+            found.append("softmax")
+            continue
+        fn = getattr(layer, "activation", None)
+        found.append(getattr(fn, "__name__", None))
+    return found
+
+
+def _probabilities(activations) -> bool:
+    return bool(activations) and all(a in ("softmax", "sigmoid") for a in activations)
+
+
+def _named_loss(name: str, activations):
+    """A Keras loss by name; the crossentropies get from_logits from the output activation."""
+    import tensorflow as tf
+
+    if name in _FROM_LOGITS_LOSSES:
+        cls = {"sparse_categorical_crossentropy": tf.keras.losses.SparseCategoricalCrossentropy,
+               "categorical_crossentropy": tf.keras.losses.CategoricalCrossentropy,
+               "binary_crossentropy": tf.keras.losses.BinaryCrossentropy}[name]
+        return cls(from_logits=not _probabilities(activations))
+    try:
+        return tf.keras.losses.get(name)
+    except (ValueError, TypeError):
+        raise UserError(f"--loss {name}: not a Keras loss (e.g. mse, mae, binary_crossentropy, "
+                        f"categorical_crossentropy, sparse_categorical_crossentropy)") from None
+
+
+def _named_metric(name: str, binary_logits: bool):
+    """A Keras metric by name; accuracy and AUC on binary logits get the threshold/flag logits need."""
+    import tensorflow as tf
+
+    if binary_logits and name in ("accuracy", "acc"):
+        return tf.keras.metrics.BinaryAccuracy(name=name, threshold=0.0)
+    if binary_logits and name == "auc":
+        return tf.keras.metrics.AUC(name=name, from_logits=True)
+    if name in ("accuracy", "acc", "crossentropy", "ce"):
+        return name  # Keras picks the right one from the loss and the shapes
+    try:
+        tf.keras.metrics.get(name)
+    except (ValueError, TypeError):
+        raise UserError(f"--metrics {name}: not a Keras metric (e.g. accuracy, auc, mae, mse)") from None
+    return name
+
+
+def _binary_logits(loss, activations) -> bool:
+    import tensorflow as tf
+
+    return isinstance(loss, tf.keras.losses.BinaryCrossentropy) and loss.get_config().get("from_logits")
+
+
+def _default_loss(model, activations):
+    """Sparse categorical crossentropy, from_logits unless the model ends in a softmax."""
+    import tensorflow as tf
+
+    outputs = getattr(model, "outputs", None) or []
+    units = [t.shape[-1] for t in outputs]
+    if len(units) > 1:
+        raise UserError("the model has several outputs: compile it with a loss for each, or pass --loss")
+    if units and units[0] == 1 or activations == ["sigmoid"]:
+        raise UserError("the model has one output unit: compile it with its loss, or pass --loss "
+                        "(mse for regression, binary_crossentropy for two classes)")
+    probs = _probabilities(activations)
+    what = ("softmax output" if probs else "logits (the output has no softmax)") if activations else \
+        "logits (assumed: the output activation of a subclassed model cannot be read; pass --loss or " \
+        "compile the model to choose)"
+    return (tf.keras.losses.SparseCategoricalCrossentropy(from_logits=not probs),
+            f"sparse categorical crossentropy on {what}")
+
+
+def _describe(loss) -> str:
+    if loss is None:
+        return "none"
+    if isinstance(loss, str):
+        return loss
+    if isinstance(loss, dict):
+        return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in loss.items()) + "}"
+    if isinstance(loss, (list, tuple)):
+        return "[" + ", ".join(_describe(v) for v in loss) + "]"
+    return getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__

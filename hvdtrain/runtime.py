@@ -24,6 +24,12 @@ _RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 GLOO_CPU_CYCLE_TIME_MS = "5"  # Horovod's cycle time for CPU workers under Gloo (its default is 1 ms)
 
 
+def under_launcher() -> bool:
+    """Started by horovodrun or mpirun (which hand their workers a pseudo-terminal: isatty() is True
+    there, yet every carriage return starts a new prefixed line)."""
+    return any(var in os.environ for var in _RANK_VARS)
+
+
 def launcher_rank() -> int:
     for var in _RANK_VARS:
         if os.environ.get(var, "").isdigit():
@@ -37,7 +43,7 @@ class World:
     size: int = 1
     local_rank: int = 0
     local_size: int = 1
-    device: str = "CPU"
+    device: str = ""  # set by init(): what this worker pinned
 
     @property
     def is_chief(self) -> bool:
@@ -94,12 +100,20 @@ def applied_defaults() -> dict:
     return {k: os.environ.get(k) for k in FAST_DEFAULTS}
 
 
+def started() -> bool:
+    """Has this process run hvd.init() and pinned its device?"""
+    return _world.device != ""
+
+
 def init(threads: int = 0, horovod_env: dict | None = None) -> World:
-    """hvd.init(), then pin this worker's device. Must run before TensorFlow touches any device.
+    """hvd.init(), then pin this worker's device. Must run before TensorFlow touches any device, so
+    before a model is built. A second call returns the same World.
 
     horovod_env: Horovod's knobs (HOROVOD_TIMELINE, HOROVOD_FUSION_THRESHOLD, ...), read by hvd.init().
     """
     global _world
+    if started():
+        return _world
     os.environ.update(horovod_env or {})
     set_fast_defaults()
     import horovod.tensorflow.keras as hvd
@@ -118,14 +132,21 @@ def init(threads: int = 0, horovod_env: dict | None = None) -> World:
             raise UserError(f"host {os.uname().nodename} runs {local_size} workers but has "
                             f"{len(gpus)} GPU(s); lower the slots for this host")
         gpu = gpus[local_rank]
-        tf.config.set_visible_devices(gpu, "GPU")
-        tf.config.experimental.set_memory_growth(gpu, True)
+        try:
+            tf.config.set_visible_devices(gpu, "GPU")
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError:
+            raise UserError("TensorFlow had set up its GPUs before hvdtrain could pin one: call "
+                            "hvdtrain.init() before building the model or touching any tensor") from None
         device = f"GPU:{local_rank} ({gpu.name})"
     else:
         n = threads or cpu_threads_per_worker(local_size)
-        tf.config.threading.set_intra_op_parallelism_threads(n)
-        tf.config.threading.set_inter_op_parallelism_threads(min(2, n))
-        device = f"CPU, {n} intra-op thread(s)"
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(n)
+            tf.config.threading.set_inter_op_parallelism_threads(min(2, n))
+            device = f"CPU, {n} intra-op thread(s)"
+        except RuntimeError:  # TensorFlow already started (hvdtrain.fit without hvdtrain.init first)
+            device = f"CPU, {tf.config.threading.get_intra_op_parallelism_threads() or 'all'} thread(s)"
     _world = World(rank, size, local_rank, local_size, device)
     return _world
 
@@ -153,35 +174,68 @@ def cpu_threads_per_worker(local_size: int) -> int:
     return max(1, cores // max(1, local_size))
 
 
+class TrainingFailed(Exception):
+    """A worker's own training step raised: the message names the rank, the step, the op and the
+    cause; the traceback is in that worker's log file."""
+
+
+class PeerFailed(Exception):
+    """Another rank failed during set-up and said so in a collective this rank was waiting in."""
+
+
+_GATHER = "hvdtrain.gather"  # one name for every set-up gather: a failed rank can answer any of them
+
+
 def gather(obj) -> list:
-    """Every rank's `obj`, in rank order, on every rank (a plain list with one worker)."""
+    """Every rank's `obj`, in rank order, on every rank (a plain list with one worker).
+
+    All of hvdtrain's gathers share one name, and carry (ok, value): a rank that fails during set-up
+    sends its error into whichever gather the others are waiting in (`all_ranks_agree`), so they raise
+    it instead of waiting forever for a collective it will never reach.
+    """
     if _world.size == 1:
         return [obj]
     import horovod.tensorflow as hvd
 
-    return hvd.allgather_object(obj)
+    got = hvd.allgather_object((True, obj), name=_GATHER)
+    failed = [(r, v) for r, (ok, v) in enumerate(got) if not ok]
+    if failed:
+        raise PeerFailed(_where(failed))
+    return [v for _, v in got]
+
+
+def _where(failed) -> str:
+    ranks = [r for r, _ in failed]
+    where = "" if len(ranks) == _world.size else \
+        f" (on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+    return failed[0][1] + where
 
 
 def all_ranks_agree(fn, *args, **kwargs):
     """Run a set-up step on every rank; if it failed on any rank, raise the same UserError on all.
 
-    A rank that failed alone would otherwise leave the others blocked in their first allreduce.
+    A rank that failed alone would otherwise leave the others blocked in their next collective.
     """
     error, result = None, None
     try:
         result = fn(*args, **kwargs)
+    except PeerFailed as e:  # agreed already, inside fn: every rank raises it now
+        raise UserError(str(e)) from None
     except UserError as e:
         error = str(e)
     except Exception as e:  # a bug or an environment problem: keep its traceback in this rank's log
         log.exception("set-up failed on rank %d", _world.rank, extra=FILE_ONLY)
         error = f"{type(e).__name__}: {e}"
-    errors = gather(error)
-    failed = [r for r, e in enumerate(errors) if e]
+    if _world.size == 1:
+        if error:
+            raise UserError(error)
+        return result
+    import horovod.tensorflow as hvd
+
+    got = hvd.allgather_object((error is None, error), name=_GATHER)
+    failed = [(r, e) for r, (ok, e) in enumerate(got) if not ok]
     if failed:
-        first = errors[failed[0]]
-        where = "" if len(failed) == _world.size else f" (on rank{'s' if len(failed) > 1 else ''} " \
-                                                       f"{', '.join(map(str, failed))})"
-        raise UserError(first + where)
+        raise UserError(_where(failed))
     return result
 
 

@@ -1,294 +1,148 @@
 """The training path: config -> hvd.init and device pinning -> shard -> model -> model.fit -> summary.
 
-This is the Horovod recipe for Keras, in order: pin one device per worker, scale the learning rate by
-the number of workers (with a warm-up, Goyal et al. 2017), wrap the optimizer in
-hvd.DistributedOptimizer, start every rank from rank 0's variables, average metrics, and let rank 0
-alone print and write.
+`run(cfg)` is `python -m hvdtrain`; `fit(model, data, ...)` is the Python API; both are this one path.
+It is the Horovod recipe for Keras, in order: pin one device per worker; read this worker's shard;
+build (or take) the model and keep its compile; scale the learning rate and wrap the optimizer in
+hvd.DistributedOptimizer (optimizer.py); start every rank from rank 0's state; fit, the ranks agreeing
+at every epoch's end (callbacks.py); and let rank 0 alone print and write.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import math
 import os
+import re
 import socket
+import sys
 import time
 
+from . import callbacks as callbacks_lib
+from . import checkpoint, models, optimizer, runtime
+from . import config as config_lib
 from . import data as data_lib
-from . import models, runtime
 from .checkpoint import Checkpoints
 from .config import Config, UserError
 from .runtime import log, rank0_only
 
 
-def lr_multiplier(cfg: Config, world: runtime.World) -> float:
-    """The linear scaling rule: the global batch grew by workers x passes, so does the learning rate.
+# ---------------------------------------------------------------- the Python API
 
-    Adasum combines gradients instead of averaging them and wants no such scaling on CPUs (on GPUs,
-    with NCCL inside a host, by the local size), as Horovod's Adasum guide says.
+def init(**config) -> runtime.World:
+    """hvd.init(), pin this worker's GPU (or CPU threads), seed, precision: call it before building
+    the model. Takes the same keys as hvdtrain.fit (threads, seed, precision, Horovod's knobs...)."""
+    return start(config_lib.from_dict(config).validate(model_object=True, data_object=True))
+
+
+def fit(model, data, validation_data=None, **config) -> dict:
+    """Train `model` on `data` across the job's workers, as `python -m hvdtrain` would; returns the
+    summary (rank 0 also writes it, with the model and checkpoints, under output_dir).
+
+    model: a tf.keras.Model (compiled or not), or a model name / module:function.
+    data: a tf.data.Dataset, a function returning one (taking a DataContext, it shards itself), a
+        (train, val) pair of them, (x, y) arrays, or a --data string.
+    config: any of `python -m hvdtrain --help`'s fields (epochs=5, batch_size=64, output_dir=...).
     """
-    if cfg.reduction == "adasum":
-        return float(world.local_size if world.device.startswith("GPU") else 1) * cfg.backward_passes_per_step
-    return float(world.size * cfg.backward_passes_per_step)
+    for key in ("model", "data", "config"):
+        if key in config:
+            raise UserError(f"hvdtrain.fit: pass {key} positionally, not as a config key")
+    model_object, data_object = not isinstance(model, str), not isinstance(data, str)
+    cfg = config_lib.from_dict({**config, "model": _label(model), "data": _label(data)}).validate(
+        model_object=model_object, data_object=data_object)
+    return run(cfg, model if model_object else None, data if data_object else None, validation_data)
 
 
-def make_optimizer(cfg: Config, world: runtime.World):
-    """The user's optimizer at the scaled lr, wrapped in Horovod's DistributedOptimizer.
-
-    Clipping (global_clipnorm) happens inside apply_gradients, i.e. on the allreduced gradient, so every
-    rank clips the same vector.
-    """
-    import horovod.tensorflow as hvd_ops
-    import horovod.tensorflow.keras as hvd
+def _label(obj) -> str:
+    """What names a model or data object in the output dir and the summary: a model's name, a
+    function's, else the kind of object (dataset, tuple)."""
+    if isinstance(obj, str):
+        return obj
     import tensorflow as tf
 
-    lr = cfg.lr * lr_multiplier(cfg, world)
-    kw = {"global_clipnorm": cfg.clip_norm} if cfg.clip_norm else {}
-    opt = {
-        "sgd": lambda: tf.keras.optimizers.SGD(lr, **kw),
-        "momentum": lambda: tf.keras.optimizers.SGD(lr, momentum=0.9, **kw),
-        "adam": lambda: tf.keras.optimizers.Adam(lr, **kw),
-        "rmsprop": lambda: tf.keras.optimizers.RMSprop(lr, **kw),
-    }[cfg.optimizer]()
-    if cfg.reduction == "adasum":
-        return opt  # Horovod's Keras optimizer wrapper takes Average or Sum only: see use_adasum()
-    return hvd.DistributedOptimizer(
-        opt,
-        compression=_compression(cfg),
-        op=hvd_ops.Average,
-        backward_passes_per_step=cfg.backward_passes_per_step,
-        average_aggregated_gradients=True,
-        sparse_as_dense=cfg.sparse_as_dense)
+    if isinstance(obj, tf.keras.Model):
+        return obj.name
+    if isinstance(obj, tf.data.Dataset):
+        return "dataset"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", getattr(obj, "__name__", None) or type(obj).__name__)
 
 
-def _compression(cfg: Config):
-    import horovod.tensorflow as hvd
+# ---------------------------------------------------------------- one path
 
-    return hvd.Compression.fp16 if cfg.compression == "fp16" else hvd.Compression.none
-
-
-def use_adasum(model, cfg: Config, world: runtime.World):
-    """Adasum through Horovod's DistributedGradientTape, in the model's own train_step.
-
-    Horovod 0.28.1's Keras DistributedOptimizer rejects op=Adasum; its DistributedGradientTape does not.
-    """
-    import types
-
-    import horovod.tensorflow as hvd
+def start(cfg: Config) -> runtime.World:
+    """Everything that must happen before a model is built: hvd.init, pinning, seed, precision."""
     import tensorflow as tf
 
-    if world.size & (world.size - 1):
-        raise UserError(f"--reduction adasum needs a power-of-2 number of workers, got {world.size}")
-    if world.size > 1 and not hvd.mpi_enabled():
-        raise UserError("--reduction adasum needs the MPI controller (horovodrun --mpi, or mpirun)")
-    if cfg.backward_passes_per_step > 1 or cfg.precision == "mixed_float16":
-        raise UserError("--reduction adasum does not combine with --backward-passes-per-step > 1 "
-                        "or --precision mixed_float16")
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(x, y, y_pred)
-        tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum, compression=_compression(cfg),
-                                           sparse_as_dense=cfg.sparse_as_dense)
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        return self.compute_metrics(x, y, y_pred, None)
-
-    model.train_step = types.MethodType(train_step, model)
+    world = runtime.init(cfg.threads, cfg.horovod_env())
+    tf.keras.utils.set_random_seed(cfg.seed)
+    if cfg.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    tf.keras.mixed_precision.set_global_policy(cfg.precision)
+    return world
 
 
-def build_optimizer(model):
-    """Create the optimizer's slots now (Keras creates them at the first step), so that a checkpoint
-    can be restored into them and they can be broadcast before training starts."""
-    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # under a LossScaleOptimizer
-    optimizer.build(model.trainable_variables)
-
-
-def broadcast_initial_state(model, root_rank: int = 0):
-    """Give every rank rank 0's weights and optimizer slots before the first step.
-
-    Horovod's BroadcastGlobalVariablesCallback broadcasts after the first batch, so that first update
-    would start from different weights on each rank; building the optimizer first lets us broadcast
-    everything up front, and the first step is already synchronous.
-    """
-    import horovod.tensorflow as hvd
-
-    build_optimizer(model)
-    if hvd.size() > 1:
-        hvd.broadcast_variables(model.variables, root_rank=root_rank)
-        hvd.broadcast_variables(model.optimizer.variables, root_rank=root_rank)
-
-
-def weights_sha256(model) -> str:
-    h = hashlib.sha256()
-    for w in model.get_weights():
-        h.update(w.tobytes())
-    return h.hexdigest()
-
-
-def _throughput_callback(batch_size: int):
-    """Samples/s of this worker over training steps only: validation and the first step (graph
-    tracing) are left out."""
-    import tensorflow as tf
-
-    class Throughput(tf.keras.callbacks.Callback):
-        steps, busy = 0, 0.0
-        started = last_end = None
-
-        def on_train_batch_begin(self, batch, logs=None):
-            if batch == 0 and self.last_end is not None:  # a new epoch: restart the clock
-                self.started = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            now = time.perf_counter()
-            if self.started is None:  # the first step of the run: tracing, not training
-                self.started = now
-            else:
-                self.steps += 1
-                self.busy += now - (self.last_end if self.last_end and batch else self.started)
-            self.last_end = now
-
-        @property
-        def samples_per_sec(self) -> float:
-            return self.steps * batch_size / self.busy if self.busy > 0 else 0.0
-
-    return Throughput()
-
-
-def _stop_on_nonfinite_loss():
-    """Keras' TerminateOnNaN decides per rank; a rank that stops alone leaves the others waiting in
-    the next allreduce. Here the ranks agree every step (one scalar allreduce) and stop together."""
-    import horovod.tensorflow as hvd
-    import numpy as np
-    import tensorflow as tf
-
-    class StopOnNonFiniteLoss(tf.keras.callbacks.Callback):
-        where = None
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_end(self, batch, logs=None):
-            bad = float(not np.isfinite(logs.get("loss", 0.0)))
-            if hvd.size() > 1:
-                bad = float(hvd.allreduce(tf.constant(bad), op=hvd.Sum, name="hvdtrain.nonfinite_loss"))
-            if bad:
-                self.where = (self.epoch + 1, batch + 1)
-                self.model.stop_training = True
-
-    return StopOnNonFiniteLoss()
-
-
-def _lr_callbacks(cfg: Config, data: data_lib.Data, world: runtime.World):
-    """Warm-up from lr to lr x workers (Goyal et al. 2017), then the schedule, all in epochs."""
-    import horovod.tensorflow.keras as hvd
-
-    peak = cfg.lr * lr_multiplier(cfg, world)
-    steps = data.steps_per_epoch
-    cbs = []
-    if cfg.warmup_epochs > 0 and lr_multiplier(cfg, world) > 1:
-        cbs.append(hvd.callbacks.LearningRateWarmupCallback(
-            initial_lr=peak, warmup_epochs=cfg.warmup_epochs, steps_per_epoch=steps,
-            momentum_correction=False, verbose=0))
-    start = cfg.warmup_epochs
-    if cfg.lr_schedule == "cosine":
-        span = max(cfg.epochs - start, 1e-9)
-        cbs.append(hvd.callbacks.LearningRateScheduleCallback(
-            initial_lr=peak, start_epoch=start, end_epoch=cfg.epochs, staircase=False,
-            steps_per_epoch=steps, momentum_correction=False,
-            multiplier=lambda e: 0.5 * (1 + math.cos(math.pi * (e - start) / span))))
-    elif cfg.lr_schedule == "step":
-        cbs.append(hvd.callbacks.LearningRateScheduleCallback(
-            initial_lr=peak, start_epoch=start, end_epoch=cfg.epochs, staircase=True,
-            momentum_correction=False,
-            multiplier=lambda e: cfg.lr_decay_factor ** sum(e >= m for m in cfg.lr_decay_epochs)))
-    return cbs
-
-
-def callbacks(cfg: Config, data: data_lib.Data, world: runtime.World, ckpts):
-    """Horovod's metric averaging first: everything after it (early stopping, best model,
-    TensorBoard) sees metrics averaged over all workers, so every rank takes the same decisions."""
-    import horovod.tensorflow.keras as hvd
-    import tensorflow as tf
-
-    cbs = [hvd.callbacks.MetricAverageCallback(), *_lr_callbacks(cfg, data, world)]
-    if cfg.early_stopping_patience:
-        cbs.append(tf.keras.callbacks.EarlyStopping(monitor=cfg.monitor,
-                                                    patience=cfg.early_stopping_patience))
-    if world.is_chief and cfg.keep_best and (data.val is not None or not cfg.monitor.startswith("val_")):
-        cbs.append(tf.keras.callbacks.ModelCheckpoint(os.path.join(cfg.run_dir, "best.weights.h5"),
-                                                      monitor=cfg.monitor, save_best_only=True,
-                                                      save_weights_only=True))
-    if world.is_chief and cfg.tensorboard:
-        cbs.append(tf.keras.callbacks.TensorBoard(os.path.join(cfg.run_dir, "tensorboard"),
-                                                  profile_batch=0))
-    if cfg.checkpoint_every:
-        cbs.append(ckpts.callback())
-    return cbs
-
-
-def run(cfg: Config) -> dict:
-    import tensorflow as tf
-
+def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
     t0 = time.time()
     elastic = runtime.launched_elastic()
     if cfg.elastic and not elastic:
         raise UserError("--elastic needs an elastic launch: horovodrun -np N --min-np MIN --max-np MAX "
                         "--host-discovery-script SCRIPT python -m hvdtrain ... (see docs/reliability.md)")
-    world = runtime.init(cfg.threads, cfg.horovod_env())
+    world = start(cfg)
     runtime.setup_logging(os.path.join(cfg.run_dir, "logs", f"rank{world.rank}.log")
                           if cfg.worker_logs else None)
     host = socket.gethostname()
     log.info("rank %d/%d (local %d/%d) on %s, pid %d: %s", world.rank, world.size, world.local_rank,
              world.local_size, host, os.getpid(), world.device, extra=runtime.EVERY_RANK)
     _warn_if_stall_check_is_blind(cfg, world)
-    tf.keras.utils.set_random_seed(cfg.seed)
-    if cfg.deterministic:
-        tf.config.experimental.enable_op_determinism()
-    tf.keras.mixed_precision.set_global_policy(cfg.precision)
-
     # An elastic worker can join a running job alone: until hvd.elastic.run has synced it with the
     # others, it must not call a collective, so set-up errors are not agreed on there.
     agree = (lambda fn, *args: fn(*args)) if elastic else runtime.all_ranks_agree
-    data = agree(load_data, cfg, world)
-    model = agree(models.build, cfg.model, data.input_shape, data.num_classes)
-    model.compile(optimizer=make_optimizer(cfg, world),
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    if cfg.reduction == "adasum":
-        agree(use_adasum, model, cfg, world)
+    if not elastic:
+        done = agree(_finished_run, cfg)
+        if done is not None:
+            return done
+
+    need_classes = model is None and models.needs_classes(cfg.model)
+    data = agree(load_data, cfg, world, data, validation_data, need_classes)
+    cfg = dataclasses.replace(cfg, batch_size=data.batch_size)
+    if model is None:
+        model = agree(models.build, cfg.model, data)
+    cfg, trainer = agree(compile_for_training, model, cfg, world)
+    for note in data.notes + trainer.notes:
+        log.info(note)
     ckpts = Checkpoints(cfg, model)
-    if elastic:
-        (history, throughput, nonfinite), data, rounds = fit_elastic(cfg, model, data, ckpts)
-        first_epoch = rounds[0]["from_epoch"]
-    else:
-        first_epoch, rounds = ckpts.restore_and_broadcast(), []
-        history, throughput, nonfinite = fit_fixed(cfg, model, data, world, ckpts, first_epoch)
-    if nonfinite.where:
-        epoch, step = nonfinite.where
-        raise UserError(f"the loss became NaN or infinite at epoch {epoch}, step {step}, on at least one "
-                        f"worker; every worker stopped there. Lower --lr, add --clip-norm, or check the "
-                        f"data for NaN/Inf")
+    try:
+        if elastic:
+            (history, epoch_end), data, rounds = fit_elastic(cfg, model, data, ckpts, trainer)
+            first_epoch = rounds[0]["from_epoch"]
+        else:
+            first_epoch, rounds = ckpts.restore_and_broadcast(), []
+            _say_how_it_resumes(cfg, ckpts, world)
+            history, epoch_end = fit_fixed(cfg, model, data, world, ckpts, first_epoch, trainer)
+    except optimizer.NonFiniteUpdate as e:
+        raise UserError(str(e)) from None
 
     world = runtime.world()
-    per_worker = runtime.gather(throughput.samples_per_sec)
+    per_worker = runtime.gather(epoch_end.samples_per_sec())
     summary = {
         "world_size": world.size,
         "hosts": sorted(set(runtime.gather(host))),
         "epochs": cfg.epochs,
         "first_epoch": first_epoch,
         "epochs_run": len(history.epoch),
+        "last_epoch": first_epoch + len(history.epoch),
         "steps_per_epoch": data.steps_per_epoch,
-        "global_batch_size": cfg.batch_size * world.size * cfg.backward_passes_per_step,
+        "batch_size_per_worker": data.batch_size,
+        "global_batch_size": data.batch_size * world.size * cfg.backward_passes_per_step,
+        "data": {"sharding": data.sharding, "samples": data.num_samples,
+                 "validation": data.val is not None},
+        "model": {"name": model.name, "loss": trainer.loss},
+        "optimizer": {**trainer.optimizer, "lr_scaled": trainer.peak_lr(world)},
         "metrics": {k: float(v[-1]) for k, v in history.history.items()},
         "samples_per_sec_per_worker": per_worker,
         "samples_per_sec_total": sum(per_worker),
         "wall_time_s": time.time() - t0,
         "weights_sha256_by_rank": runtime.gather(weights_sha256(model)),
-        "precision": {"policy": tf.keras.mixed_precision.global_policy().name,
-                      "loss_scaling": isinstance(model.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)},
+        "precision": {"policy": _policy(), "loss_scaling": _loss_scaling(model)},
         "elastic_rounds": rounds,
         "runtime_env": runtime.applied_defaults(),
         "config": cfg.to_dict(),
@@ -296,6 +150,98 @@ def run(cfg: Config) -> dict:
     _write_outputs(cfg, model, summary)
     log.info("done: %s", json.dumps(summary["metrics"]))
     return summary
+
+
+def load_data(cfg: Config, world: runtime.World, source=None, validation=None,
+              need_classes=False) -> data_lib.Data:
+    """This worker's shard, in whole updates (a multiple of backward_passes_per_step steps)."""
+    data = data_lib.load(cfg, world, source, validation, need_classes)
+    data.steps_per_epoch -= data.steps_per_epoch % cfg.backward_passes_per_step
+    if data.steps_per_epoch == 0:
+        raise UserError(f"--backward-passes-per-step {cfg.backward_passes_per_step} is more than the "
+                        f"steps in an epoch; lower it or --batch-size")
+    return data
+
+
+@dataclasses.dataclass
+class Trainer:
+    """What compile_for_training decided: for the fit loop, the summary and the log."""
+    learning_rate: object  # optimizer.LearningRate, or None (a compiled schedule runs as is)
+    optimizer: dict
+    loss: str
+    notes: list
+    cfg: Config
+
+    def peak_lr(self, world) -> float | None:
+        lr = self.optimizer["lr"]
+        return None if lr is None else lr * optimizer.lr_multiplier(self.cfg, world)
+
+
+def compile_for_training(model, cfg: Config, world: runtime.World):
+    """Compile `model` as its user did (or as the flags say), with the optimizer scaled and wrapped;
+    returns (cfg with the one-worker lr it trains with, Trainer)."""
+    plan = models.compile_plan(model, cfg)
+    opt, info, notes = optimizer.choose(cfg, plan.optimizer)
+    cfg = dataclasses.replace(cfg, lr=info["lr"] if info["lr"] is not None else cfg.lr)
+    model.compile(optimizer=optimizer.distributed(opt, cfg), **plan.kwargs)
+    if cfg.reduction == "adasum":
+        optimizer.use_adasum(model, cfg, world)
+    learning_rate = optimizer.LearningRate(cfg, info["lr"]) if info["lr"] is not None else None
+    optimizer.wrap_train_step(model, learning_rate)
+    log.info("%s: loss %s; %s from %s, lr %s for one worker", model.name, plan.loss, info["class"],
+             info["source"], "a schedule" if info["lr"] is None else f"{info['lr']:g}")
+    return cfg, Trainer(learning_rate, info, plan.loss, plan.notes + notes, cfg)
+
+
+def _finished_run(cfg: Config):
+    """The summary of a run already trained to its last epoch, or None: rank 0 looks, all agree.
+
+    A finished run re-launched with the same command is left alone; a fresh start in a used output
+    dir moves the old run's files aside instead of overwriting them."""
+    decision = None
+    if runtime.world().is_chief:
+        path = checkpoint.find(cfg)
+        epoch = checkpoint.meta(path).get("epoch", 0) if path else 0
+        if path and epoch >= cfg.epochs:
+            decision = _read_summary(cfg)
+            runtime.say(f"hvdtrain: already trained to epoch {epoch} of {cfg.epochs} in {cfg.run_dir}: "
+                        f"nothing to do; --epochs N trains further; --no-auto-resume or another "
+                        f"--output-dir starts over")
+        elif not path:
+            _keep_previous_run(cfg)
+    return runtime.gather(decision)[0]
+
+
+def _read_summary(cfg: Config) -> dict:
+    path = os.path.join(cfg.run_dir, "summary.json")
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {"run_dir": cfg.run_dir}
+
+
+OUTPUTS = ("summary.json", "model.keras", "model.weights.h5", "best.weights.h5", "checkpoints")
+
+
+def _keep_previous_run(cfg: Config):
+    """Rank 0, starting afresh where a run already wrote its results: move them to previous/<time>."""
+    found = [name for name in OUTPUTS if os.path.exists(os.path.join(cfg.run_dir, name))]
+    if not found:
+        return
+    where = os.path.join(cfg.run_dir, "previous", time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(where, exist_ok=True)
+    for name in found:
+        os.replace(os.path.join(cfg.run_dir, name), os.path.join(where, name))
+    runtime.say(f"hvdtrain: starting afresh in {cfg.run_dir}; the previous run's {', '.join(found)} "
+                f"moved to {where}")
+
+
+def _say_how_it_resumes(cfg: Config, ckpts: Checkpoints, world: runtime.World):
+    before = (ckpts.resumed_from or {}).get("world_size")
+    if before and before != world.size:
+        log.info("resuming a run of %d workers with %d: the learning rate is scaled for %d workers",
+                 before, world.size, world.size)
 
 
 def _warn_if_stall_check_is_blind(cfg: Config, world: runtime.World):
@@ -309,49 +255,135 @@ def _warn_if_stall_check_is_blind(cfg: Config, world: runtime.World):
                     "report under the Gloo controller; launch with horovodrun --mpi or mpirun for it")
 
 
-def load_data(cfg: Config, world: runtime.World) -> data_lib.Data:
-    """This worker's shard, in whole updates (a multiple of backward_passes_per_step steps)."""
-    data = data_lib.load(cfg, world)
-    data.steps_per_epoch -= data.steps_per_epoch % cfg.backward_passes_per_step
-    if data.steps_per_epoch == 0:
-        raise UserError(f"--backward-passes-per-step {cfg.backward_passes_per_step} is more than the "
-                        f"steps in an epoch; lower it or --batch-size")
-    return data
+# ---------------------------------------------------------------- fit
+
+def keras_callbacks(cfg: Config, data: data_lib.Data, world: runtime.World, ckpts, epoch_end, progress,
+                    extra=()):
+    """hvdtrain's agreement at epoch end first: every callback after it (early stopping, best model,
+    TensorBoard, checkpoints, progress) sees metrics combined over all workers, so every rank takes
+    the same decisions."""
+    import tensorflow as tf
+
+    cbs = [epoch_end, *extra]
+    if cfg.early_stopping_patience:
+        cbs.append(tf.keras.callbacks.EarlyStopping(monitor=cfg.monitor,
+                                                    patience=cfg.early_stopping_patience))
+    if world.is_chief and cfg.keep_best and (data.val is not None or not cfg.monitor.startswith("val_")):
+        cbs.append(tf.keras.callbacks.ModelCheckpoint(os.path.join(cfg.run_dir, "best.weights.h5"),
+                                                      monitor=cfg.monitor, save_best_only=True,
+                                                      save_weights_only=True))
+    if world.is_chief and cfg.tensorboard:
+        cbs.append(tf.keras.callbacks.TensorBoard(os.path.join(cfg.run_dir, "tensorboard"),
+                                                  profile_batch=0))
+    if cfg.checkpoint_every:
+        cbs.append(ckpts.callback())
+    if progress is not None:
+        cbs.append(progress)
+    return cbs
 
 
-def fit(cfg: Config, model, data: data_lib.Data, world: runtime.World, ckpts, first_epoch: int,
-        extra_callbacks=()):
-    """model.fit over this worker's shard from first_epoch; returns (history, throughput, nonfinite)."""
-    log.info("%s on %s: %d samples, %s sharding, %d steps/epoch of %d per worker, %d workers, "
-             "epochs %d..%d", model.name, cfg.data, data.num_samples, data.sharding,
-             data.steps_per_epoch, cfg.batch_size, world.size, first_epoch + 1, cfg.epochs)
-    throughput, nonfinite = _throughput_callback(cfg.batch_size), _stop_on_nonfinite_loss()
-    history = model.fit(data.stream(first_epoch, cfg.epochs), epochs=cfg.epochs,
-                        initial_epoch=first_epoch, steps_per_epoch=data.steps_per_epoch,
-                        validation_data=data.val,
-                        callbacks=[nonfinite, *extra_callbacks, *callbacks(cfg, data, world, ckpts),
-                                   throughput],
-                        verbose=cfg.verbose if world.is_chief else 0)
-    return history, throughput, nonfinite
+def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch: int,
+                 trainer: Trainer, extra_callbacks=()):
+    """model.fit over this worker's shard from first_epoch; returns (history, the EpochEnd callback)."""
+    if cfg.monitor.startswith("val_") and data.val is None and cfg.early_stopping_patience:
+        raise UserError(f"--early-stopping-patience watches {cfg.monitor}, but there is no validation "
+                        f"data: return (train, val) from the data function, or give --val-split")
+    sharded = {"yours": "sharded by the data function", "none": "one worker: not sharded"}.get(
+        data.sharding, f"sharded by {data.sharding}")
+    log.info("%s on %s%s, %s: %d steps/epoch of %d per worker, %d workers, epochs %d..%d", model.name,
+             cfg.data, f" ({data.num_samples} samples)" if data.num_samples else "", sharded,
+             data.steps_per_epoch, data.batch_size, world.size, first_epoch + 1, cfg.epochs)
+    import tensorflow as tf
 
-
-def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch: int):
-    """A fixed set of workers: if one dies, the job ends, naming every worker so the dead one can be found."""
-    workers = runtime.gather((socket.gethostname(), os.getpid()))
+    epoch_end, progress = callbacks_lib.make(cfg, data, world.size, world.is_chief)
+    iteration = int(model.optimizer.iterations.numpy())
+    if trainer.learning_rate is not None:
+        trainer.learning_rate.start(optimizer.lr_multiplier(cfg, world), first_epoch, iteration,
+                                    data.steps_per_epoch)
     try:
-        return fit(cfg, model, data, world, ckpts, first_epoch)
-    except Exception as e:
-        if world.size == 1 or "horovod" not in f"{type(e).__module__} {e}".lower():
+        history = model.fit(data.stream(first_epoch, cfg.epochs), epochs=cfg.epochs,
+                            initial_epoch=first_epoch, steps_per_epoch=data.steps_per_epoch,
+                            callbacks=keras_callbacks(cfg, data, world, ckpts, epoch_end, progress,
+                                                      extra_callbacks),
+                            verbose=0)
+    except tf.errors.InvalidArgumentError as e:
+        step = optimizer.NonFiniteUpdate.step_of(e)
+        if step is None:
             raise
+        done = step - iteration
+        raise optimizer.NonFiniteUpdate(first_epoch + done // data.steps_per_epoch + 1,
+                                        done % data.steps_per_epoch + 1) from None
+    finally:
+        if progress is not None:
+            progress.stop.set()
+    return history, epoch_end
+
+
+def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch: int, trainer: Trainer):
+    """A fixed set of workers. If a step fails, its rank names the cause in one line; if a worker
+    dies, the survivors name every worker so the dead one can be found."""
+    workers = runtime.gather((socket.gethostname(), os.getpid()))
+    iteration = int(model.optimizer.iterations.numpy())
+    try:
+        return fit_on_shard(cfg, model, data, world, ckpts, first_epoch, trainer)
+    except (optimizer.NonFiniteUpdate, UserError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        done = int(model.optimizer.iterations.numpy()) - iteration
+        where = f"epoch {first_epoch + done // data.steps_per_epoch + 1}, step {done % data.steps_per_epoch + 1}"
+        _report_training_failure(e, where, world, workers)
+
+
+# Horovod's words when a peer raised and shut down (not when it died: then Gloo/MPI report a lost peer)
+_PEER_RAISED = "This was caused by an exception on one of the ranks"
+
+
+def _report_training_failure(e, where: str, world, workers):
+    """One line for the cause, from the rank that hit it; the traceback in that rank's log file."""
+    text = str(e)
+    horovod = "horovod" in f"{type(e).__module__} {text}".lower()
+    if horovod and world.size > 1 and _PEER_RAISED in text:
+        # a peer's own step failed and it is reporting that: stay quiet, leave a line in the log
+        log.error("rank %d stopped: a peer's training step failed (it reports why)", world.rank,
+                  extra=runtime.FILE_ONLY)
+        raise SystemExit(1)
+    if horovod and world.size > 1:
         table = ", ".join(f"rank {r} on {h} (pid {p})" for r, (h, p) in enumerate(workers))
         log.error("rank %d lost its peers during training (%s: %s), or Horovod shut down. Workers "
                   "were: %s. The launcher names the one that exited first; a stall shutdown is "
                   "reported above by Horovod.", world.rank, type(e).__name__,
-                  str(e).strip().splitlines()[0][:200], table, extra=runtime.EVERY_RANK)
-        raise SystemExit(1) from None
+                  text.strip().splitlines()[0][:200], table, extra=runtime.EVERY_RANK)
+        raise SystemExit(1)
+    log.error("training step failed on rank %d", world.rank, exc_info=e, extra=runtime.FILE_ONLY)
+    logfile = f"; traceback in {log_file()}" if log_file() else ""
+    raise runtime.TrainingFailed(f"the training step failed on rank {world.rank} at {where}: "
+                                 f"{explain(e)}{logfile}") from None
 
 
-def fit_elastic(cfg: Config, model, data, ckpts):
+def log_file() -> str | None:
+    for h in log.handlers:
+        if hasattr(h, "baseFilename"):
+            return h.baseFilename
+    return None
+
+
+def explain(e: Exception) -> str:
+    """The op and the message that explain a failed step, from TensorFlow's long error text."""
+    text = str(e)
+    node = re.search(r"\{\{node ([^}]+)\}\}", text) or re.search(r"Detected at node '?([^'\s]+)", text)
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    # TensorFlow puts the cause after the "defined at" traceback and before [[{{node ...}}]]
+    cause = [l for l in lines if not l.startswith(("File ", "Detected at node", "[[", "Graph execution",
+                                                   "in user code", "Traceback", "Node:"))
+             and not re.match(r"^(\S+\.py|<\S+>|\w[\w.]*\(|return |self\.|x = |outputs = )", l)
+             and "defined at (most recent call last)" not in l]
+    cause = [re.sub(r"\s*\[Op:\S+\]", "", l) for l in cause]
+    message = (cause[-1] if cause else lines[-1] if lines else type(e).__name__)[:400]
+    message = re.sub(rf"^{type(e).__name__}: ", "", message)
+    return f"{type(e).__name__}" + (f" at {node.group(1)}" if node else "") + f": {message}"
+
+
+def fit_elastic(cfg: Config, model, data, ckpts, trainer: Trainer):
     """Training that outlives its workers, with Horovod's elastic API.
 
     hvd.elastic.run calls `one_round` again after every change of the world: when a worker dies, the
@@ -372,11 +404,10 @@ def fit_elastic(cfg: Config, model, data, ckpts):
         world = runtime.refresh()
         if (world.rank, world.size) != (sharded_for.rank, sharded_for.size):
             data, sharded_for = load_data(cfg, world), world
-        lr = cfg.lr * lr_multiplier(cfg, world)
-        model.optimizer.learning_rate.assign(lr)
+        lr = trainer.peak_lr(world)
         rounds.append({"world_size": world.size, "from_epoch": int(state.epoch), "lr": lr})
-        log.info("elastic round %d: %d workers from epoch %d, lr %g", len(rounds), world.size,
-                 state.epoch + 1, lr)
+        log.info("elastic round %d: %d workers from epoch %d, lr %s", len(rounds), world.size,
+                 state.epoch + 1, f"{lr:g}" if lr is not None else "(schedule)")
         keep_state = [
             hvd.elastic.UpdateBatchStateCallback(state),
             # Horovod's UpdateEpochStateCallback counts from a fit() that starts at epoch 0; ours passes
@@ -384,26 +415,55 @@ def fit_elastic(cfg: Config, model, data, ckpts):
             tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(state, "epoch", epoch + 1)),
             hvd.elastic.CommitStateCallback(state, batches_per_commit=cfg.commit_every),
         ]
-        return fit(cfg, model, data, world, ckpts, int(state.epoch), keep_state)
+        return fit_on_shard(cfg, model, data, world, ckpts, int(state.epoch), trainer, keep_state)
 
     return one_round(state), data, rounds
 
 
-def export_model(model, path: str):
-    """Save architecture and weights without the compile state: the optimizer is Horovod's wrapper,
-    and a model file should load with plain `tf.keras.models.load_model`, no Horovod needed."""
+# ---------------------------------------------------------------- outputs
+
+def weights_sha256(model) -> str:
+    h = hashlib.sha256()
+    for w in model.get_weights():
+        h.update(w.tobytes())
+    return h.hexdigest()
+
+
+def _policy() -> str:
     import tensorflow as tf
 
-    plain = tf.keras.models.clone_model(model)
+    return tf.keras.mixed_precision.global_policy().name
+
+
+def _loss_scaling(model) -> bool:
+    import tensorflow as tf
+
+    return isinstance(model.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
+
+
+def export_model(model, run_dir: str) -> str:
+    """Save the model without its compile state (the optimizer is Horovod's wrapper): model.keras
+    loads with plain `tf.keras.models.load_model`, no Horovod needed. A subclassed model, which Keras
+    cannot rebuild from a config, is saved as weights (model.weights.h5) for the user's own class."""
+    import tensorflow as tf
+
+    try:
+        plain = tf.keras.models.clone_model(model)
+    except (ValueError, TypeError, NotImplementedError):
+        path = os.path.join(run_dir, "model.weights.h5")
+        model.save_weights(path)
+        return path
     plain.set_weights(model.get_weights())
+    path = os.path.join(run_dir, "model.keras")
     plain.save(path)
+    return path
 
 
 @rank0_only
 def _write_outputs(cfg: Config, model, summary: dict):
     os.makedirs(cfg.run_dir, exist_ok=True)
     if cfg.save_model:
-        export_model(model, os.path.join(cfg.run_dir, "model.keras"))
+        summary["model"]["file"] = export_model(model, cfg.run_dir)
     path = os.path.join(cfg.run_dir, "summary.json")
     with open(path + ".tmp", "w") as fh:
         json.dump(summary, fh, indent=2)

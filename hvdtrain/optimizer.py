@@ -1,0 +1,293 @@
+"""The optimizer side: which optimizer, at what learning rate, and how gradients meet across workers.
+
+- The optimizer is the model's own compiled one (its class and settings), a `--optimizer` flag, or Adam.
+- Its learning rate is for one worker; the linear scaling rule multiplies it by the number of workers
+  (Goyal et al. 2017), reached by a linear warm-up, then a schedule.
+- It is wrapped in Horovod's DistributedOptimizer: gradients are averaged by ring-allreduce (or Adasum).
+- Every step also sets the learning rate and checks that the update left the weights finite, inside
+  the compiled step: no Python callback and no extra collective per step.
+"""
+from __future__ import annotations
+
+import math
+
+from . import runtime
+from .config import DEFAULT_LR, DEFAULT_OPTIMIZER, Config, UserError
+
+
+def lr_multiplier(cfg: Config, world: runtime.World) -> float:
+    """The linear scaling rule: the global batch grew by workers x passes, so does the learning rate.
+
+    Adasum combines gradients instead of averaging them and wants no such scaling on CPUs (on GPUs,
+    with NCCL inside a host, by the local size), as Horovod's Adasum guide says.
+    """
+    if cfg.reduction == "adasum":
+        return float(world.local_size if world.device.startswith("GPU") else 1) * cfg.backward_passes_per_step
+    return float(world.size * cfg.backward_passes_per_step)
+
+
+def _named(name: str, lr: float):
+    import tensorflow as tf
+
+    return {
+        "sgd": lambda: tf.keras.optimizers.SGD(lr),
+        "momentum": lambda: tf.keras.optimizers.SGD(lr, momentum=0.9),
+        "adam": lambda: tf.keras.optimizers.Adam(lr),
+        "rmsprop": lambda: tf.keras.optimizers.RMSprop(lr),
+    }[name]()
+
+
+def choose(cfg: Config, compiled=None):
+    """The optimizer to train with, at the one-worker learning rate: (optimizer, what it is, notes).
+
+    A flag wins over the model's compile (the user typed it for this run) and one note says so.
+    """
+    import tensorflow as tf
+
+    notes = []
+    if compiled is not None and not isinstance(compiled, tf.keras.optimizers.Optimizer):
+        compiled = tf.keras.optimizers.get(compiled)  # compile(optimizer="sgd")
+    if cfg.optimizer:
+        opt, source = _named(cfg.optimizer, cfg.lr or DEFAULT_LR), "--optimizer"
+        if compiled is not None:
+            notes.append(f"--optimizer {cfg.optimizer} replaces the model's compiled "
+                         f"{type(compiled).__name__}")
+    elif compiled is not None:
+        config = compiled.get_config()
+        if cfg.lr is not None:
+            if _is_schedule(config.get("learning_rate")):
+                raise UserError("--lr: the model's compiled optimizer has a learning-rate schedule; "
+                                "leave --lr out or drop the schedule")
+            notes.append(f"--lr {cfg.lr:g} replaces the compiled learning rate "
+                         f"{float(config['learning_rate']):g}")
+            config["learning_rate"] = cfg.lr
+        opt, source = type(compiled).from_config(config), "model.compile"
+    else:
+        opt, source = _named(DEFAULT_OPTIMIZER, cfg.lr or DEFAULT_LR), "default"
+    if cfg.clip_norm:
+        if getattr(opt, "clipnorm", None) or getattr(opt, "clipvalue", None):
+            notes.append("--clip-norm replaces the optimizer's own clipnorm/clipvalue")
+            opt.clipnorm = opt.clipvalue = None
+        opt.global_clipnorm = cfg.clip_norm  # applied in apply_gradients: to the averaged gradient
+    config = opt.get_config()
+    schedule = _is_schedule(config.get("learning_rate"))
+    info = {"class": type(opt).__name__, "source": source,
+            "lr": None if schedule else float(config["learning_rate"]),
+            "config": {k: v for k, v in config.items() if isinstance(v, (int, float, bool, str, type(None)))}}
+    if schedule:
+        notes.append(f"the compiled optimizer's learning rate is a schedule "
+                     f"({config['learning_rate'].get('class_name')}): it runs as compiled, not scaled "
+                     f"by the number of workers, and --warmup-epochs/--lr-schedule do not apply")
+    return opt, info, notes
+
+
+def _is_schedule(lr) -> bool:
+    import tensorflow as tf
+
+    return isinstance(lr, (dict, tf.keras.optimizers.schedules.LearningRateSchedule))
+
+
+def distributed(opt, cfg: Config):
+    """Horovod's DistributedOptimizer around `opt` (Adasum keeps `opt`: see use_adasum)."""
+    import horovod.tensorflow as hvd_ops
+    import horovod.tensorflow.keras as hvd
+
+    if cfg.reduction == "adasum":
+        return opt  # Horovod's Keras optimizer wrapper takes Average or Sum only
+    dist = hvd.DistributedOptimizer(
+        opt,
+        compression=_compression(cfg),
+        op=hvd_ops.Average,
+        backward_passes_per_step=cfg.backward_passes_per_step,
+        average_aggregated_gradients=True,
+        sparse_as_dense=cfg.sparse_as_dense)
+    _reduce_in_apply_too(dist)
+    return dist
+
+
+def _reduce_in_apply_too(opt):
+    """Horovod allreduces in compute_gradients, which Keras' own train_step reaches through minimize().
+    A custom train_step that calls apply_gradients itself (the keras.io pattern) would update every
+    rank with its own gradients: with Horovod 0.28.1 and TensorFlow 2.15 the ranks' weights silently
+    diverge (measured). So apply_gradients reduces too, when compute_gradients did not in this step.
+    The flag is set while tracing, which is when this Python runs: once per traced step."""
+    compute, apply = opt.compute_gradients, opt.apply_gradients
+    reduced = []
+
+    def compute_gradients(*args, **kwargs):
+        reduced.append(True)
+        return compute(*args, **kwargs)
+
+    def apply_gradients(grads_and_vars, *args, **kwargs):
+        if not reduced:
+            grads, variables = zip(*list(grads_and_vars))
+            grads_and_vars = list(zip(opt._allreduce(grads, variables), variables))
+        reduced.clear()
+        return apply(grads_and_vars, *args, **kwargs)
+
+    opt.compute_gradients, opt.apply_gradients = compute_gradients, apply_gradients
+
+
+def _compression(cfg: Config):
+    import horovod.tensorflow as hvd
+
+    return hvd.Compression.fp16 if cfg.compression == "fp16" else hvd.Compression.none
+
+
+def use_adasum(model, cfg: Config, world: runtime.World):
+    """Adasum through Horovod's DistributedGradientTape, in the model's own train_step.
+
+    Horovod 0.28.1's Keras DistributedOptimizer rejects op=Adasum; its DistributedGradientTape does not.
+    """
+    import types
+
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    if world.size & (world.size - 1):
+        raise UserError(f"--reduction adasum needs a power-of-2 number of workers, got {world.size}")
+    if world.size > 1 and not hvd.mpi_enabled():
+        raise UserError("--reduction adasum needs the MPI controller (horovodrun --mpi, or mpirun)")
+    if cfg.backward_passes_per_step > 1 or cfg.precision == "mixed_float16":
+        raise UserError("--reduction adasum does not combine with --backward-passes-per-step > 1 "
+                        "or --precision mixed_float16")
+    if type(model).train_step is not tf.keras.Model.train_step:
+        raise UserError("--reduction adasum replaces the model's train_step; this model has its own")
+
+    def train_step(self, data):
+        x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x, y, y_pred, sample_weight)
+        tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum, compression=_compression(cfg),
+                                           sparse_as_dense=cfg.sparse_as_dense)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return self.compute_metrics(x, y, y_pred, sample_weight)
+
+    model.train_step = types.MethodType(train_step, model)
+
+
+def build(model):
+    """Create the optimizer's slots now (Keras creates them at the first step), so that a checkpoint
+    can be restored into them and they can be broadcast before training starts."""
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # under a LossScaleOptimizer
+    optimizer.build(model.trainable_variables)
+
+
+def broadcast_initial_state(model, root_rank: int = 0):
+    """Give every rank rank 0's weights and optimizer slots before the first step.
+
+    Horovod's BroadcastGlobalVariablesCallback broadcasts after the first batch, so that first update
+    would start from different weights on each rank; building the optimizer first lets us broadcast
+    everything up front, and the first step is already synchronous.
+    """
+    import horovod.tensorflow as hvd
+
+    build(model)
+    if hvd.size() > 1:
+        hvd.broadcast_variables(model.variables, root_rank=root_rank)
+        hvd.broadcast_variables(model.optimizer.variables, root_rank=root_rank)
+
+
+class LearningRate:
+    """The learning rate at a step, computed in the graph: the one-worker lr, warmed up linearly to
+    lr x multiplier over --warmup-epochs, then constant, stepped or cosine-decayed by epoch. What
+    Horovod's LearningRateWarmupCallback and LearningRateScheduleCallback do from Python every batch.
+
+    Where the run stands (first epoch, its first step, steps per epoch, the multiplier) lives in
+    variables that `start` sets, so a resumed or re-sharded (elastic) run continues the same curve.
+    """
+
+    def __init__(self, cfg: Config, lr: float):
+        import tensorflow as tf
+
+        self.cfg, self.lr = cfg, lr
+        with tf.init_scope():
+            self.multiplier = tf.Variable(1.0, dtype=tf.float64, trainable=False)
+            self.epoch0 = tf.Variable(0.0, dtype=tf.float64, trainable=False)
+            self.step0 = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self.steps_per_epoch = tf.Variable(1.0, dtype=tf.float64, trainable=False)
+
+    def start(self, multiplier: float, epoch: float, step, steps_per_epoch: int):
+        """Training (re)starts at `epoch` (fractional within an epoch) when the optimizer's step
+        counter reads `step`."""
+        self.multiplier.assign(multiplier)
+        self.epoch0.assign(epoch)
+        self.step0.assign(int(step))
+        self.steps_per_epoch.assign(steps_per_epoch)
+
+    def epoch(self, step):
+        """Epochs done (fractional) at the optimizer's step counter `step`."""
+        import tensorflow as tf
+
+        return self.epoch0 + tf.cast(step - self.step0, tf.float64) / self.steps_per_epoch
+
+    def __call__(self, step):
+        import tensorflow as tf
+
+        cfg, e = self.cfg, self.epoch(step)
+        peak = self.lr * self.multiplier
+        lr = peak
+        if cfg.warmup_epochs > 0:
+            ramp = self.lr * (1 + (self.multiplier - 1) * tf.minimum(e / cfg.warmup_epochs, 1.0))
+            lr = tf.where(e < cfg.warmup_epochs, ramp, peak)
+        start = cfg.warmup_epochs
+        if cfg.lr_schedule == "cosine":
+            span = max(cfg.epochs - start, 1e-9)
+            decay = 0.5 * (1 + tf.cos(math.pi * tf.clip_by_value((e - start) / span, 0.0, 1.0)))
+            lr = tf.where(e >= start, peak * decay, lr)
+        elif cfg.lr_schedule == "step":
+            done = tf.floor(e)  # staircase: the epoch the step is in
+            passed = tf.add_n([tf.cast(done >= m, tf.float64) for m in cfg.lr_decay_epochs])
+            lr = tf.where(done >= start, peak * cfg.lr_decay_factor ** passed, lr)
+        return lr
+
+
+NONFINITE = "hvdtrain: the weights are not finite after the update of step"
+
+
+class NonFiniteUpdate(Exception):
+    """The weights became NaN or infinite: raised on every rank at the same step."""
+
+    def __init__(self, epoch: int, step: int):
+        super().__init__(f"the loss became NaN or infinite at epoch {epoch}, step {step}, on at least one "
+                         f"worker; every worker stopped there. Lower --lr, add --clip-norm, or check the "
+                         f"data for NaN/Inf")
+
+    @staticmethod
+    def step_of(error) -> int | None:
+        """The optimizer step a failed train step names, if it is wrap_train_step's assertion."""
+        text = str(error)
+        if NONFINITE not in text:
+            return None
+        import re
+
+        found = re.search(re.escape(NONFINITE) + r"\D*(\d+)", text)
+        return int(found.group(1)) if found else -1
+
+
+def wrap_train_step(model, learning_rate):
+    """Around the model's train_step (Keras' own or the user's): set the learning rate for this step
+    first; after it, assert that the weights it produced are finite.
+
+    The weights are the same on every rank after the allreduce, so every rank's assertion fails at
+    the same step and the ranks stop together without a collective of their own. (A float16 loss
+    scale skips non-finite steps itself, leaving the weights finite.) learning_rate: a LearningRate,
+    or None to leave the optimizer's own (a compiled schedule).
+    """
+    import tensorflow as tf
+
+    inner = model.train_step
+
+    def train_step(data):
+        step = tf.identity(model.optimizer.iterations)  # before this step's update increments it
+        if learning_rate is not None:
+            lr = model.optimizer.learning_rate
+            lr.assign(tf.cast(learning_rate(step), lr.dtype))
+        logs = inner(data)
+        total = tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32)) for w in model.trainable_variables])
+        tf.debugging.Assert(tf.math.is_finite(total), [NONFINITE, step])
+        return logs
+
+    model.train_step = train_step

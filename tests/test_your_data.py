@@ -1,0 +1,161 @@
+"""Your own data pipeline, read once and sharded at the source: your TFRecord schema, a pre-batched
+pipeline, image_dataset_from_directory, repeat(), from_generator, --val-split, exact validation
+metrics; at 2 workers under horovodrun and mpirun. (Dict features: test_your_model.py.)"""
+import json
+import os
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from conftest import launch, train
+
+SGD_MODEL = ("--model", "user_models:sgd_momentum")  # takes (8, 8, 1) digits; needs no num_classes
+
+
+def _records(tmp_path, files, per_file):
+    import user_data
+
+    folder = tmp_path / f"records-{files}"
+    user_data.write_records(str(folder), files, per_file)
+    return str(folder)
+
+
+def _job(np_, launcher, out, *flags, env=None):
+    proc = launch(np_, launcher, ["-m", "hvdtrain", "--output-dir", str(out), "--verbose", "0",
+                                  "--no-tensorboard", *flags], env=env)
+    return proc
+
+
+def _summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def _errors(proc):
+    return [l for l in proc.stdout.splitlines() if "hvdtrain: error:" in l]
+
+
+def test_own_tfrecord_schema_is_sharded_by_file_and_each_record_read_once_per_epoch(tmp_path):
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    env = {"RECORDS": _records(tmp_path, 8, 250), "READ_LOG_DIR": str(reads)}
+    proc = _job(2, "gloo", tmp_path / "run", *SGD_MODEL, "--data", "user_data:records", "--epochs", "2",
+                "--batch-size", "50", env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    s = _summary(tmp_path / "run")
+    assert s["data"]["sharding"] == "file" and s["data"]["samples"] == 2000 and s["steps_per_epoch"] == 20
+    per_process = [Counter(int(l) for l in f.read_text().split()) for f in reads.iterdir()]
+    assert len(per_process) == 2
+    assert not set(per_process[0]) & set(per_process[1])  # each worker parses only its own files
+    total = per_process[0] + per_process[1]
+    assert set(total) == set(range(2000)) and set(total.values()) == {2}  # once per epoch, 2 epochs
+
+
+def test_fewer_files_than_workers_falls_back_to_element_sharding_and_says_so(tmp_path):
+    env = {"RECORDS": _records(tmp_path, 1, 600)}
+    proc = _job(2, "mpirun", tmp_path / "run", *SGD_MODEL, "--data", "user_data:records", "--epochs", "1",
+                env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "reads fewer files than the 2 workers: sharded by element instead" in proc.stdout
+    s = _summary(tmp_path / "run")
+    assert s["data"]["sharding"] == "element" and s["steps_per_epoch"] == 600 // 2 // 32
+
+
+def test_a_data_function_taking_a_context_shards_and_batches_itself(tmp_path):
+    env = {"RECORDS": _records(tmp_path, 4, 200)}
+    proc = _job(2, "gloo", tmp_path / "run", *SGD_MODEL, "--data", "user_data:records_sharded",
+                "--epochs", "2", "--batch-size", "25", env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    s = _summary(tmp_path / "run")
+    assert s["data"]["sharding"] == "yours" and s["batch_size_per_worker"] == 25
+    assert s["steps_per_epoch"] == 400 // 25 and len(set(s["weights_sha256_by_rank"])) == 1
+
+
+def test_a_pre_batched_pipeline_is_taken_as_per_worker_batches(out):
+    proc = _job(2, "mpirun", out, *SGD_MODEL, "--data", "user_data:digits_batched", "--epochs", "3",
+                "--batch-size", "32")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "is batched by 64 per worker, so that is the batch size; --batch-size 32 is not used" in proc.stdout
+    s = _summary(out)
+    # 1438 training digits in 23 batches of 64: 12 and 11 per worker, so 11 steps, 1 batch noted as left out
+    assert s["batch_size_per_worker"] == 64 and s["steps_per_epoch"] == 11 and s["data"]["sharding"] == "batch"
+    assert "batches left out of each epoch: rank 0: 1" in proc.stdout
+    assert s["metrics"]["val_accuracy"] > 0.85
+
+
+def _write_pngs(folder, per_class=40):
+    """Three classes of 24x24 PNGs: red, green and blue squares with noise."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    for c, name in enumerate(("red", "green", "blue")):
+        (folder / name).mkdir(parents=True)
+        for i in range(per_class):
+            img = rng.integers(0, 60, (24, 24, 3)).astype(np.uint8)
+            img[4:20, 4:20, c] = 200 + rng.integers(0, 55)
+            tf.io.write_file(str(folder / name / f"{i}.png"), tf.io.encode_png(img))
+
+
+def test_image_dataset_from_directory_with_its_defaults(tmp_path):
+    _write_pngs(tmp_path / "images")
+    proc = _job(2, "gloo", tmp_path / "run", "--model", "user_models:image_classifier", "--data",
+                "user_data:images", "--epochs", "6", env={"IMAGES": str(tmp_path / "images")})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    s = _summary(tmp_path / "run")
+    # 120 images in batches of 32 (its default): 4 batches, 2 per worker
+    assert s["batch_size_per_worker"] == 32 and s["steps_per_epoch"] == 2 and s["data"]["sharding"] == "batch"
+    assert s["metrics"]["accuracy"] > 0.9 and len(set(s["weights_sha256_by_rank"])) == 1
+
+
+def test_a_repeating_pipeline_trains_with_steps_per_epoch_and_is_a_clear_error_without(tmp_path):
+    proc = _job(2, "mpirun", tmp_path / "no", *SGD_MODEL, "--data", "user_data:digits_repeat")
+    assert proc.returncode != 0 and len(_errors(proc)) == 1
+    assert "is infinite (it repeats): give --steps-per-epoch N" in _errors(proc)[0]
+    proc = _job(2, "mpirun", tmp_path / "yes", *SGD_MODEL, "--data", "user_data:digits_repeat",
+                "--steps-per-epoch", "12", "--epochs", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    s = _summary(tmp_path / "yes")
+    assert s["steps_per_epoch"] == 12 and s["epochs_run"] == 3 and s["metrics"]["accuracy"] > 0.7
+
+
+def test_a_generator_pipeline_is_counted_on_each_shard_and_trains(out):
+    s = train(2, "gloo", out, *SGD_MODEL, "--data", "user_data:digits_generator", "--epochs", "3")
+    assert s["data"] == {"sharding": "element", "samples": 1400, "validation": False}
+    assert s["steps_per_epoch"] == 700 // 32 and s["metrics"]["accuracy"] > 0.85
+
+
+def test_val_split_holds_out_part_of_a_single_dataset(out):
+    proc = _job(2, "mpirun", out, *SGD_MODEL, "--data", "user_data:digits_single", "--val-split", "0.25",
+                "--epochs", "3", "--early-stopping-patience", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "validation: 0.25 of user_data:digits_single held out by position (--val-split)" in proc.stdout
+    s = _summary(out)
+    # 1438 elements: floor(1438 x 0.25) = 359 held out, 1079 left to train on
+    assert s["data"]["samples"] == 1079 and s["data"]["validation"] and s["metrics"]["val_accuracy"] > 0.85
+
+
+def test_early_stopping_on_validation_without_validation_data_is_a_clear_error(tmp_path):
+    proc = _job(2, "gloo", tmp_path, *SGD_MODEL, "--data", "user_data:digits_single",
+                "--early-stopping-patience", "2")
+    assert proc.returncode != 0 and len(_errors(proc)) == 1
+    assert "watches val_loss, but there is no validation data" in _errors(proc)[0]
+
+
+def test_validation_metrics_equal_a_one_worker_evaluation_of_the_same_weights(out):
+    """301 validation digits over 2 workers (151 and 150): the metrics of all of them, exactly."""
+    import tensorflow as tf
+    import user_data
+
+    s = train(2, "mpirun", out, *SGD_MODEL, "--data", "user_data:digits_odd_val", "--epochs", "2")
+    model = tf.keras.models.load_model(out / "model.keras")
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    one = model.evaluate(user_data.digits_odd_val()[1].batch(32), verbose=0, return_dict=True)
+    assert one["loss"] == pytest.approx(s["metrics"]["val_loss"], rel=1e-6, abs=1e-6)
+    assert one["accuracy"] == pytest.approx(s["metrics"]["val_accuracy"], abs=1e-6)
+    assert round(one["accuracy"] * 301) == pytest.approx(one["accuracy"] * 301, abs=1e-3)
+
+
+def test_an_empty_dataset_is_a_clear_error(tmp_path):
+    proc = _job(2, "gloo", tmp_path, "--model", "user_models:regression", "--data", "user_data:empty")
+    assert proc.returncode != 0 and len(_errors(proc)) == 1
+    assert "user_data:empty: the data set is empty" in _errors(proc)[0]

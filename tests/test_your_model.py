@@ -1,0 +1,143 @@
+"""Your own Keras model, trained as you compiled it: regression, binary, one-hot, keras.applications,
+named inputs, your optimizer, your train_step, BatchNorm; at 2 workers under horovodrun and mpirun.
+The models and data are written as users write them (tests/user_models.py, tests/user_data.py)."""
+import numpy as np
+import pytest
+
+from conftest import ROOT, PYTHON, launch, train
+
+
+def _saved(out):
+    import tensorflow as tf
+
+    return tf.keras.models.load_model(out / "model.keras")
+
+
+def _val(name):
+    import user_data
+
+    _, val = getattr(user_data, name)()
+    x, y = zip(*val.as_numpy_iterator())
+    return np.stack(x), np.stack(y)
+
+
+def _same_weights_on_every_rank(summary):
+    return len(summary["weights_sha256_by_rank"]) == 2 and len(set(summary["weights_sha256_by_rank"])) == 1
+
+
+def test_regression_on_diabetes_beats_predicting_the_mean(out):
+    s = train(2, "mpirun", out, "--model", "user_models:regression", "--data", "user_data:diabetes",
+              "--epochs", "30")
+    import user_data
+
+    train_y = np.concatenate([y for _, y in user_data.diabetes()[0].batch(512).as_numpy_iterator()])
+    _, val_y = _val("diabetes")
+    mean_guess = float(np.mean((val_y - train_y.mean()) ** 2))
+    assert s["model"]["loss"] == "mse (model.compile)" and set(s["metrics"]) >= {"mae", "val_mae"}
+    assert s["metrics"]["val_loss"] < 0.7 * mean_guess, (s["metrics"], mean_guess)
+    assert _same_weights_on_every_rank(s)
+
+
+def test_binary_classifier_keeps_the_users_auc_combined_exactly_over_workers(out):
+    import tensorflow as tf
+
+    s = train(2, "gloo", out, "--model", "user_models:binary", "--data", "user_data:breast_cancer",
+              "--epochs", "6")
+    assert s["model"]["loss"] == "binary_crossentropy (model.compile)"
+    assert s["metrics"]["val_auc"] > 0.95
+    # The AUC of the whole validation set, not a mean of the two workers' AUCs: a 1-worker evaluation
+    # of the saved weights gives the same value
+    model = _saved(out)
+    model.compile(loss="binary_crossentropy", metrics=[tf.keras.metrics.AUC(name="auc"), "accuracy"])
+    x, y = _val("breast_cancer")
+    one = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    assert one["auc"] == pytest.approx(s["metrics"]["val_auc"], abs=1e-6)
+    assert one["loss"] == pytest.approx(s["metrics"]["val_loss"], rel=1e-5)
+
+
+def test_one_hot_labels_train_with_categorical_crossentropy(out):
+    s = train(2, "mpirun", out, "--model", "user_models:mnist_convnet", "--data", "user_data:digits_onehot",
+              "--epochs", "4")
+    assert s["model"]["loss"] == "categorical_crossentropy (model.compile)"
+    assert s["metrics"]["val_accuracy"] > 0.9 and _same_weights_on_every_rank(s)
+
+
+def test_keras_applications_softmax_head_trains_as_its_logits_variant_without_a_warning(tmp_path):
+    runs = {}
+    for head in ("softmax", "logits"):
+        proc = launch(2, "gloo", ["-m", "hvdtrain", "--model", f"user_models:mobilenet_{head}",
+                                  "--data", "user_data:digits_rgb32", "--epochs", "2", "--steps-per-epoch", "6",
+                                  "--output-dir", str(tmp_path / head), "--verbose", "0", "--no-tensorboard"])
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        assert "from_logits" not in proc.stdout, proc.stdout[-3000:]  # Keras' warning names it
+        import json
+
+        runs[head] = json.loads((tmp_path / head / "summary.json").read_text())
+    assert runs["softmax"]["model"]["loss"] == "sparse categorical crossentropy on softmax output"
+    assert runs["logits"]["model"]["loss"].startswith("sparse categorical crossentropy on logits")
+    for k in ("loss", "accuracy", "val_accuracy"):
+        assert runs["softmax"]["metrics"][k] == pytest.approx(runs["logits"]["metrics"][k], abs=1e-4), k
+
+
+def test_named_inputs_are_fed_from_a_dict_of_features(out):
+    s = train(2, "gloo", out, "--model", "user_models:structured", "--data", "user_data:structured",
+              "--epochs", "25")
+    assert s["metrics"]["val_accuracy"] > 0.85 and _same_weights_on_every_rank(s)
+
+
+def test_the_compiled_optimizer_runs_scaled_and_a_flag_that_replaces_it_says_so(tmp_path):
+    s = train(2, "mpirun", tmp_path / "a", "--model", "user_models:sgd_momentum", "--data", "digits",
+              "--epochs", "2", "--steps-per-epoch", "5")
+    opt = s["optimizer"]
+    assert (opt["class"], opt["source"], opt["config"]["momentum"]) == ("SGD", "model.compile", 0.9)
+    assert opt["lr"] == pytest.approx(0.05) and opt["lr_scaled"] == pytest.approx(0.1)
+    assert s["metrics"]["lr"] == pytest.approx(0.1)  # after the 1-epoch warm-up, what the steps ran with
+    proc = launch(2, "mpirun", ["-m", "hvdtrain", "--model", "user_models:sgd_momentum", "--data", "digits",
+                                "--epochs", "1", "--steps-per-epoch", "5", "--optimizer", "adam",
+                                "--output-dir", str(tmp_path / "b"), "--verbose", "0"])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "--optimizer adam replaces the model's compiled SGD" in proc.stdout
+
+
+def test_a_custom_train_step_that_applies_its_own_gradients_keeps_every_rank_identical(out):
+    """Horovod's DistributedOptimizer allreduces in compute_gradients only: without hvdtrain's fix
+    this train_step would update each rank with its own gradients."""
+    s = train(2, "gloo", out, "--model", "user_models:custom_train_step", "--data", "user_data:digits",
+              "--epochs", "5")
+    assert _same_weights_on_every_rank(s)
+    assert s["metrics"]["val_accuracy"] > 0.85
+
+
+def test_batchnorm_statistics_agree_across_ranks(out):
+    s = train(2, "mpirun", out, "--model", "user_models:small_bn_cnn", "--data", "user_data:digits",
+              "--epochs", "2")
+    assert _same_weights_on_every_rank(s)  # moving mean and variance included
+
+
+def test_a_user_compiled_model_at_two_workers_equals_one_worker_with_twice_the_batch(tmp_path):
+    common = ("--model", "user_models:plain_sgd", "--data", "user_data:digits", "--warmup-epochs", "0",
+              "--epochs", "2", "--steps-per-epoch", "6", "--seed", "7")
+    train(2, "gloo", tmp_path / "two", *common, "--batch-size", "16")  # the compiled lr, 0.05, x 2
+    train(1, None, tmp_path / "one", *common, "--batch-size", "32", "--lr", "0.1")
+    train(1, None, tmp_path / "unscaled", *common, "--batch-size", "32")
+    weights = {run: _saved(tmp_path / run).get_weights() for run in ("two", "one", "unscaled")}
+
+    def max_diff(a, b):
+        return max(float(np.abs(x - y).max()) for x, y in zip(weights[a], weights[b]))
+
+    assert max_diff("two", "one") < 1e-5
+    assert max_diff("two", "unscaled") > 1e-3  # the comparison can tell a different update apart
+
+
+@pytest.mark.parametrize("launcher", ["gloo", None])
+def test_the_python_api_script_trains_under_horovodrun_and_plain_python(launcher, tmp_path):
+    import json
+
+    np_ = 2 if launcher else 1
+    proc = launch(np_, launcher, [str(ROOT / "examples" / "train_script.py"), "3", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["world_size"] == np_ and s["data"]["sharding"] == "yours"
+    assert s["metrics"]["val_accuracy"] > 0.8
+    assert f"validation accuracy {s['metrics']['val_accuracy']:.3f} with {np_} worker(s)" in proc.stdout
+    assert (tmp_path / "checkpoints" / "checkpoint").exists() and (tmp_path / "model.keras").exists()

@@ -1,0 +1,162 @@
+"""Users' own data pipelines, written as users write them: scikit-learn's bundled data sets, tf.data,
+their own TFRecord schema, Keras' image_dataset_from_directory. Handed to hvdtrain as
+--data user_data:NAME (the tests put this folder on PYTHONPATH); paths come from the environment."""
+import glob
+import os
+
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_breast_cancer, load_diabetes, load_digits
+
+
+def _split(x, y, n_val, seed=0):
+    order = np.random.default_rng(seed).permutation(len(x))
+    val, train = order[:n_val], order[n_val:]
+    return (tf.data.Dataset.from_tensor_slices((x[train], y[train])),
+            tf.data.Dataset.from_tensor_slices((x[val], y[val])))
+
+
+def diabetes():
+    """442 patients, ten standardized features, a float target (disease progression)."""
+    x, y = load_diabetes(return_X_y=True)
+    return _split(x.astype(np.float32), ((y - y.mean()) / y.std()).astype(np.float32), 89)
+
+
+def breast_cancer():
+    x, y = load_breast_cancer(return_X_y=True)
+    x = ((x - x.mean(0)) / x.std(0)).astype(np.float32)
+    return _split(x, y.astype(np.float32), 113)
+
+
+def digits_onehot():
+    """keras.io's MNIST convnet feeds one-hot labels (keras.utils.to_categorical)."""
+    d = load_digits()
+    x = (d.images / 16.0).astype(np.float32)[..., None]
+    return _split(x, tf.keras.utils.to_categorical(d.target, 10), 359)
+
+
+def digits():
+    d = load_digits()
+    return _split((d.images / 16.0).astype(np.float32)[..., None], d.target.astype(np.int64), 359)
+
+
+def digits_odd_val():
+    """An odd number of validation examples (301), for the exact-validation test."""
+    d = load_digits()
+    return _split((d.images / 16.0).astype(np.float32)[..., None], d.target.astype(np.int64), 301)
+
+
+def digits_rgb32():
+    """Digits as 32x32 RGB images, for keras.applications models."""
+    d = load_digits()
+    x = np.repeat(np.kron(d.images / 16.0, np.ones((4, 4)))[..., None], 3, axis=-1).astype(np.float32)
+    return _split(x[:1200], d.target[:1200].astype(np.int64), 240)
+
+
+def structured():
+    """A dict of named features, as keras.io's dataframe_to_dataset makes."""
+    data = load_breast_cancer()
+    names = ["mean radius", "mean texture", "mean smoothness", "worst area"]
+    cols = [list(data.feature_names).index(n) for n in names]
+    features = {n.replace(" ", "_"): data.data[:, c:c + 1].astype(np.float32) for n, c in zip(names, cols)}
+    labels = data.target.astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices((features, labels))
+    return ds.skip(113), ds.take(113)
+
+
+def digits_batched():
+    """A pipeline that batches itself, as most tf.data tutorials end: .shuffle().batch(64)."""
+    train, val = digits()
+    return train.shuffle(2000, seed=1).batch(64), val.batch(64)
+
+
+def digits_repeat():
+    """An infinite pipeline: .repeat() before batching."""
+    train, _ = digits()
+    return train.shuffle(2000, seed=1).repeat().batch(32)
+
+
+def digits_generator():
+    """Python generator data through tf.data.Dataset.from_generator."""
+    d = load_digits()
+    x, y = (d.images / 16.0).astype(np.float32)[..., None], d.target.astype(np.int64)
+
+    def gen():
+        for i in range(1400):
+            yield x[i], y[i]
+
+    return tf.data.Dataset.from_generator(
+        gen, output_signature=(tf.TensorSpec((8, 8, 1), tf.float32), tf.TensorSpec((), tf.int64)))
+
+
+def digits_single():
+    """One data set, no validation part: --val-split holds one out."""
+    return digits()[0]
+
+
+def empty():
+    return tf.data.Dataset.from_tensor_slices((np.zeros((0, 4), np.float32), np.zeros(0, np.int64)))
+
+
+# ---------------------------------------------------------------- the user's own TFRecords
+
+def write_records(folder, files, per_file):
+    """TFRecords in the user's own schema: an id, 64 float pixels, a label; `files` files."""
+    d = load_digits()
+    n = 0
+    os.makedirs(folder, exist_ok=True)
+    for f in range(files):
+        with tf.io.TFRecordWriter(os.path.join(folder, f"part-{f:03d}.tfrecord")) as w:
+            for _ in range(per_file):
+                i = n % len(d.target)
+                ex = tf.train.Example(features=tf.train.Features(feature={
+                    "record_id": tf.train.Feature(int64_list=tf.train.Int64List(value=[n])),
+                    "pixels": tf.train.Feature(float_list=tf.train.FloatList(value=(d.data[i] / 16.0).tolist())),
+                    "digit": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(d.target[i])])),
+                }))
+                w.write(ex.SerializeToString())
+                n += 1
+    return n
+
+
+SCHEMA = {"record_id": tf.io.FixedLenFeature([], tf.int64),
+          "pixels": tf.io.FixedLenFeature([64], tf.float32),
+          "digit": tf.io.FixedLenFeature([], tf.int64)}
+
+
+def _note_read(record_id):
+    """Append every parsed record's id to this process's file: the test's read counter."""
+    def note(ids):
+        with open(os.path.join(os.environ["READ_LOG_DIR"], f"reads-{os.getpid()}.txt"), "a") as fh:
+            fh.write(f"{int(ids)}\n")
+        return ids
+    return tf.py_function(note, [record_id], tf.int64)
+
+
+def parse(record):
+    ex = tf.io.parse_single_example(record, SCHEMA)
+    record_id = ex["record_id"]
+    if os.environ.get("READ_LOG_DIR"):
+        record_id = _note_read(record_id)
+    with tf.control_dependencies([record_id]):
+        pixels = tf.reshape(ex["pixels"], (8, 8, 1))
+    return pixels, ex["digit"]
+
+
+def records():
+    """The usual file pipeline: list the files, interleave the readers, parse."""
+    files = tf.data.Dataset.list_files(os.path.join(os.environ["RECORDS"], "*.tfrecord"), shuffle=False)
+    return files.interleave(tf.data.TFRecordDataset, cycle_length=4).map(parse)
+
+
+def records_sharded(ctx):
+    """The same pipeline, sharded by the user: tf.distribute's InputContext style."""
+    files = sorted(glob.glob(os.path.join(os.environ["RECORDS"], "*.tfrecord")))
+    files = files[ctx.input_pipeline_id::ctx.num_input_pipelines]
+    ds = tf.data.TFRecordDataset(files).map(parse)
+    return ds.shuffle(1000, seed=ctx.seed).batch(ctx.get_per_replica_batch_size(ctx.global_batch_size))
+
+
+def images():
+    """Keras' image_dataset_from_directory with its defaults (batch 32, 256x256, shuffled)."""
+    return tf.keras.utils.image_dataset_from_directory(os.environ["IMAGES"])

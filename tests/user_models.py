@@ -1,0 +1,144 @@
+"""Users' own models, written as keras.io and the Keras guides write them: built and compiled by the
+user, handed to hvdtrain as --model user_models:NAME (the tests put this folder on PYTHONPATH)."""
+import numpy as np
+import tensorflow as tf
+from tensorflow import keras
+from tensorflow.keras import layers
+
+
+def regression():
+    """scikit-learn's diabetes: ten features, one float target, mean squared error."""
+    model = keras.Sequential([layers.Input((10,)), layers.Dense(32, activation="relu"), layers.Dense(1)],
+                             name="diabetes_regressor")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def binary():
+    """scikit-learn's breast_cancer: a sigmoid unit, binary crossentropy and the user's own AUC."""
+    model = keras.Sequential([layers.Input((30,)), layers.Dense(16, activation="relu"),
+                              layers.Dense(1, activation="sigmoid")], name="cancer_classifier")
+    model.compile(optimizer="adam", loss="binary_crossentropy",
+                  metrics=[keras.metrics.AUC(name="auc"), "accuracy"])
+    return model
+
+
+def mnist_convnet(input_shape, num_classes):
+    """keras.io "Simple MNIST convnet" (softmax head, one-hot labels, categorical crossentropy),
+    sized for scikit-learn's 8x8 digits."""
+    model = keras.Sequential([
+        keras.Input(shape=input_shape),
+        layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
+        layers.MaxPooling2D(pool_size=(2, 2)),
+        layers.Conv2D(64, kernel_size=(3, 3), padding="same", activation="relu"),
+        layers.Flatten(),
+        layers.Dropout(0.5),
+        layers.Dense(num_classes, activation="softmax"),
+    ], name="mnist_convnet")
+    model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
+    return model
+
+
+def mobilenet_softmax():
+    """keras.applications with its default softmax head, not compiled: hvdtrain picks the loss."""
+    return keras.applications.MobileNet(input_shape=(32, 32, 3), alpha=0.25, weights=None, classes=10)
+
+
+def mobilenet_logits():
+    return keras.applications.MobileNet(input_shape=(32, 32, 3), alpha=0.25, weights=None, classes=10,
+                                          classifier_activation=None)
+
+
+def sgd_momentum():
+    """A compiled optimizer that is not hvdtrain's default: SGD with momentum at lr 0.05."""
+    model = keras.Sequential([layers.Input((8, 8, 1)), layers.Flatten(), layers.Dense(64, activation="relu"),
+                              layers.Dense(10)], name="sgd_mlp")
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def plain_sgd():
+    """Compiled with plain SGD: for the exactness test (2 workers x b equals 1 worker x 2b)."""
+    model = keras.Sequential([layers.Input((8, 8, 1)), layers.Flatten(), layers.Dense(32, activation="relu"),
+                              layers.Dense(10)], name="sgd_exact")
+    model.compile(optimizer=keras.optimizers.SGD(0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def small_bn_cnn(input_shape, num_classes):
+    """A small CNN with BatchNormalization, compiled by the user."""
+    model = keras.Sequential([layers.Input(input_shape), layers.Conv2D(16, 3, padding="same"),
+                              layers.BatchNormalization(), layers.ReLU(), layers.Flatten(),
+                              layers.Dense(num_classes)], name="bn_cnn")
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+class CustomModel(keras.Model):
+    """The TensorFlow guide "Customizing what happens in fit()": its own train_step, which computes
+    the gradients itself and calls apply_gradients."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compiled_loss(y, y_pred, regularization_losses=self.losses)
+        trainable_vars = self.trainable_variables
+        gradients = tape.gradient(loss, trainable_vars)
+        self.optimizer.apply_gradients(zip(gradients, trainable_vars))
+        self.compiled_metrics.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def custom_train_step():
+    inputs = keras.Input(shape=(8, 8, 1))
+    x = layers.Flatten()(inputs)
+    x = layers.Dense(32, activation="relu")(x)
+    model = CustomModel(inputs, layers.Dense(10)(x), name="custom_step")
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def structured():
+    """keras.io "Structured data classification": named inputs fed by a dict of features, normalized
+    in the model, concatenated."""
+    names = ["mean radius", "mean texture", "mean smoothness", "worst area"]
+    inputs = {n.replace(" ", "_"): keras.Input(shape=(1,), name=n.replace(" ", "_")) for n in names}
+    from sklearn.datasets import load_breast_cancer
+
+    columns = {n: i for i, n in enumerate(load_breast_cancer().feature_names)}
+    x = load_breast_cancer().data
+    encoded = []
+    for n in names:
+        norm = layers.Normalization()
+        norm.adapt(x[:, columns[n]].reshape(-1, 1).astype(np.float32))
+        encoded.append(norm(inputs[n.replace(" ", "_")]))
+    h = layers.Dense(16, activation="relu")(layers.concatenate(encoded))
+    model = keras.Model(inputs, layers.Dense(1, activation="sigmoid")(h), name="structured")
+    model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def two_classes():
+    """A two-class classifier: fed digits (labels 0-9), its loss meets labels it cannot take."""
+    model = keras.Sequential([layers.Input((8, 8, 1)), layers.Flatten(), layers.Dense(2)], name="two_classes")
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def image_classifier():
+    """keras.io "Image classification from scratch", shrunk: rescale and resize inside the model."""
+    model = keras.Sequential([
+        layers.Input((256, 256, 3)),
+        layers.Rescaling(1.0 / 255),
+        layers.Resizing(16, 16),
+        layers.Conv2D(8, 3, activation="relu"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(3, activation="softmax"),
+    ], name="image_classifier")
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model

@@ -189,7 +189,7 @@ def keras_worker(args) -> int:
     n = args.batch_size * (args.steps * 2 + 1)
     x = np.random.default_rng(0).standard_normal((n, *shape), dtype=np.float32)
     y = np.random.default_rng(1).integers(0, 10, n)
-    model = models.build(args.model, shape, 10)
+    model = models.BUILDERS[args.model](shape, 10)
     model.compile(tf.keras.optimizers.SGD(0.01, momentum=0.9),
                   tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size, drop_remainder=True).repeat()
@@ -284,10 +284,10 @@ def tf_distribute_worker(kind: str, args) -> int:
         strategy = tf.distribute.ParameterServerStrategy(resolver)
         n = len(resolver.cluster_spec().as_dict()["worker"])
     cfg = config.Config(model="cnn", data="digits", batch_size=32, seed=1)
-    x, y, xv, yv = data._digits(cfg, None)
+    x, y, xv, yv = data._digits(cfg, None, True)
     steps = len(x) // (32 * n)
     with strategy.scope():
-        model = models.build("cnn", x.shape[1:], 10)
+        model = models.BUILDERS["cnn"](x.shape[1:], 10)
         model.compile(tf.keras.optimizers.Adam(0.001 * n),
                       tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     global_batch = 32 * n
@@ -301,7 +301,7 @@ def tf_distribute_worker(kind: str, args) -> int:
     t0 = time.perf_counter()
     model.fit(source, epochs=args.peer_epochs, steps_per_epoch=steps, verbose=0)
     wall = time.perf_counter() - t0
-    local = models.build("cnn", x.shape[1:], 10)  # evaluated outside the strategy, as for Horovod's rank 0
+    local = models.BUILDERS["cnn"](x.shape[1:], 10)  # evaluated outside the strategy, as for Horovod's rank 0
     local.set_weights(model.get_weights())
     acc = float(np.mean(np.argmax(local.predict(xv, batch_size=256, verbose=0), axis=1) == yv))
     if kind == "ps" or task["index"] == 0:

@@ -72,9 +72,11 @@ class Config:
     verbose: int = _f(1, "progress on rank 0: 0 silent, 1 a line every --log-every seconds (a bar on a "
                          "terminal) and one per epoch, 2 one line per epoch")
     log_every: float = _f(30.0, "seconds between progress lines within an epoch (verbose 1)")
-    steps_per_execution: int = _f(1, "training steps per call of the compiled step (Keras); more "
-                                     "amortizes Python overhead for small models")
-    jit_compile: bool = _f(False, "compile the training step with XLA (worth trying on GPUs)")
+    steps_per_execution: Optional[int] = _f(None, "training steps per call of the compiled step (Keras); "
+                                                  "more amortizes Python overhead for small models; "
+                                                  "default: the model's compile, else 1")
+    jit_compile: Optional[bool] = _f(None, "compile the training step with XLA (worth trying on GPUs); "
+                                           "default: the model's compile, else off")
     # checkpoints
     checkpoint_every: int = _f(1, "write a checkpoint every N epochs and at the end (0: never)")
     keep_checkpoints: int = _f(3, "keep the last K checkpoints")
@@ -240,7 +242,7 @@ def build_parser(prog="hvdtrain") -> argparse.ArgumentParser:
     for f in dataclasses.fields(Config):
         text = f.metadata["help"]
         kw = {"help": text if "default:" in text else f"{text} (default: {f.default})"}
-        if f.type in ("bool", bool):
+        if f.type in ("bool", bool, "Optional[bool]", Optional[bool]):
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = _field_type(f)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -75,12 +76,14 @@ def gpus(slots: int):
     if not devices:
         status = WARN if info.get("is_cuda_build") else OK
         results.append(check("gpus", status, f"no GPU visible; TensorFlow is {cuda}", count=0))
-    elif slots > len(devices):
-        results.append(check("gpus", ERROR, f"{slots} workers on this host but {len(devices)} GPU(s): "
-                             f"two workers would share a GPU; lower the slots", count=len(devices)))
     else:
-        results.append(check("gpus", OK, f"{len(devices)} GPU(s) for {slots} worker(s); TensorFlow "
-                             f"{cuda}", count=len(devices)))
+        try:  # the decision every worker makes at start, for each local rank of this host
+            picks = [runtime.choose_gpu(len(devices), r, slots, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                        socket.gethostname())[1] for r in range(slots)]
+            results.append(check("gpus", OK, f"{len(devices)} GPU(s) for {slots} worker(s); TensorFlow "
+                                 f"{cuda}; {picks[0]}", count=len(devices), picks=picks))
+        except UserError as e:
+            results.append(check("gpus", ERROR, str(e), count=len(devices)))
     if devices:
         import ctypes.util
 
@@ -92,7 +95,7 @@ def gpus(slots: int):
         else:
             results.append(check("nccl", WARN, "Horovod built without NCCL: GPU allreduce goes through "
                                  "MPI/Gloo on the host; rebuild with HOROVOD_GPU_OPERATIONS=NCCL"))
-        results.append(topology(len(devices)))
+        results.append(topology(len(devices), slots))
     return results
 
 
@@ -104,45 +107,98 @@ def _pip_nccl():
     return None
 
 
-def topology(n: int):
-    """The GPU link matrix from nvidia-smi; pairs that cross the CPU interconnect get a warning."""
+SLOW_LINKS = ("SYS", "NODE", "PHB")  # through the CPU: a host bridge, or the socket interconnect (QPI/UPI)
+
+
+def topology(n: int, local_size: int):
+    """The GPU link matrix and peer access from nvidia-smi: pairs that cross the CPU get a warning, and
+    GPUs on several NUMA nodes get the launcher binding that keeps each rank beside its GPU."""
     if not shutil.which("nvidia-smi"):
         return check("topology", WARN, "nvidia-smi not found: cannot read the GPU link matrix")
-    out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=60).stdout
-    matrix = parse_topology(out)
-    slow = sorted({(a, b) for a, row in matrix.items() for b, link in row.items()
-                   if a < b and link in ("SYS", "NODE", "PHB")})
-    groups = group_by_fast_links(matrix)
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=60)
+    return topology_check(run(["nvidia-smi", "topo", "-m"]).stdout,
+                          run(["nvidia-smi", "topo", "-p2p", "r"]).stdout, local_size)
+
+
+def topology_check(topo_text: str, p2p_text: str, local_size: int):
+    topo = parse_topology(topo_text)
+    links, p2p = topo["links"], parse_p2p(p2p_text)
+    gpus = [g for g in links if g.startswith("GPU")]
+    slow = sorted({(a, b) for a in gpus for b in gpus if _index(a) < _index(b)
+                   and (links[a].get(b) in SLOW_LINKS or p2p.get(a, {}).get(b, "OK") != "OK")})
+    groups = group_by_fast_links(topo["links"], p2p)
+    binding = numa_binding(topo["affinity"], local_size)
+    facts = dict(matrix=links, affinity=topo["affinity"], p2p=p2p, groups=groups, binding=binding)
+    advice = f"; {binding['advice']}" if binding["advice"] else ""
     if slow:
-        return check("topology", WARN, f"GPU pairs without a direct link (traffic crosses the CPU): "
-                     f"{', '.join(f'{a}-{b}' for a, b in slow)}; keep a job's local ranks within one of "
-                     f"{groups}", matrix=matrix, groups=groups)
-    return check("topology", OK, f"{n} GPU(s), all pairs linked directly (NVLink or PCIe switch)",
-                 matrix=matrix, groups=groups)
+        pairs = ", ".join(f"{a}-{b} ({links[a].get(b, '?')}{', no peer access' if p2p.get(a, {}).get(b, 'OK') != 'OK' else ''})"
+                          for a, b in slow)
+        return check("topology", WARN, f"GPU pairs without a direct link (traffic crosses the CPU): {pairs}; "
+                     f"keep a job's local ranks within one of {groups}{advice}", **facts)
+    return check("topology", OK, f"{len(gpus)} GPU(s), all pairs linked directly (NVLink or PCIe "
+                 f"switch){advice}", **facts)
+
+
+_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # nvidia-smi underlines its header even into a file
+_DEVICE = re.compile(r"(GPU|NIC)\d+")
+
+
+def _cells(line: str) -> list:
+    return [c.strip() for c in line.split("\t")]
+
+
+def _index(name: str) -> int:
+    return int(name[3:])
 
 
 def parse_topology(text: str) -> dict:
-    """`nvidia-smi topo -m` -> {"GPU0": {"GPU1": "NV12", ...}, ...} (GPU columns only)."""
-    lines = [l for l in text.splitlines() if l.strip()]
+    """`nvidia-smi topo -m` -> {"links": {"GPU0": {"GPU1": "NV18", "NIC0": "PXB", ...}, ...},
+    "affinity": {"GPU0": {"cpus": "0-55,112-167", "numa": "0", "gpu_numa_id": "N/A"}, ...}}."""
+    lines = [l for l in _ESCAPE.sub("", text).split("Legend:")[0].splitlines() if l.strip()]
+    if not lines:
+        return {"links": {}, "affinity": {}}
+    header = _cells(lines[0])[1:]
+    devices = [h for h in header if _DEVICE.fullmatch(h)]
+    extra = [h for h in header[len(devices):] if h]  # CPU Affinity, NUMA Affinity, GPU NUMA ID
+    links, affinity = {}, {}
+    for line in lines[1:]:
+        cells = _cells(line)
+        if not _DEVICE.fullmatch(cells[0]):
+            continue
+        values = cells[1:]
+        links[cells[0]] = {d: v for d, v in zip(devices, values) if d != cells[0] and v}
+        rest = values[len(devices):]
+        if cells[0].startswith("GPU") and rest:
+            filled = [v for v in rest if v]  # real output has an empty cell before GPU NUMA ID
+            rest = filled if len(filled) == len(extra) else rest[:len(extra)]
+            named = dict(zip(extra, rest))
+            affinity[cells[0]] = {"cpus": named.get("CPU Affinity", ""), "numa": named.get("NUMA Affinity", ""),
+                                  "gpu_numa_id": named.get("GPU NUMA ID", "")}
+    return {"links": links, "affinity": affinity}
+
+
+def parse_p2p(text: str) -> dict:
+    """`nvidia-smi topo -p2p r` -> {"GPU0": {"GPU1": "OK", "GPU2": "NS", ...}, ...}."""
+    lines = [l for l in _ESCAPE.sub("", text).split("Legend:")[0].splitlines() if l.strip()]
     if not lines:
         return {}
-    header = lines[0].split()
-    gpu_cols = [i for i, h in enumerate(header) if re.fullmatch(r"GPU\d+", h)]
-    matrix = {}
+    gpus = [h for h in _cells(lines[0]) if _DEVICE.fullmatch(h)]
+    result = {}
     for line in lines[1:]:
-        cells = line.split()
-        if not cells or not re.fullmatch(r"GPU\d+", cells[0]):
-            continue
-        matrix[cells[0]] = {header[i]: cells[i + 1] for i in gpu_cols if i + 1 < len(cells)
-                            and header[i] != cells[0]}
-    return matrix
+        cells = _cells(line)
+        if _DEVICE.fullmatch(cells[0]):
+            result[cells[0]] = {g: v for g, v in zip(gpus, cells[1:]) if g != cells[0] and v}
+    return result
 
 
-def group_by_fast_links(matrix: dict) -> list:
+def group_by_fast_links(links: dict, p2p: dict | None = None) -> list:
+    """GPUs in groups whose every pair has a direct link (NVLink or a PCIe switch) and peer access."""
+    p2p = p2p or {}
     groups = []
-    for gpu in sorted(matrix, key=lambda g: int(g[3:])):
+    for gpu in sorted((g for g in links if g.startswith("GPU")), key=_index):
         for g in groups:
-            if all(matrix[gpu].get(o, "SYS") not in ("SYS", "NODE", "PHB") for o in g):
+            if all(links[gpu].get(o, "SYS") not in SLOW_LINKS and p2p.get(gpu, {}).get(o, "OK") == "OK"
+                   for o in g):
                 g.append(gpu)
                 break
         else:
@@ -150,30 +206,64 @@ def group_by_fast_links(matrix: dict) -> list:
     return groups
 
 
+def numa_binding(affinity: dict, local_size: int) -> dict:
+    """Which launcher binding keeps local rank r (which takes GPU r) on GPU r's NUMA node."""
+    gpus = sorted(affinity, key=_index)[:max(local_size, 1)]
+    nodes = [affinity[g]["numa"] for g in gpus]
+    known = [n for n in nodes if n not in ("", "N/A")]
+    result = {"numa_by_local_rank": nodes, "advice": ""}
+    if len(set(known)) < 2:
+        return result  # one NUMA node (or none reported): any placement is near its GPU
+    per_node = len(gpus) // len(set(known))
+    contiguous = nodes == sorted(nodes, key=nodes.index) and all(nodes.count(n) == per_node for n in set(nodes))
+    if contiguous:
+        result["advice"] = (f"GPUs span NUMA nodes {'/'.join(dict.fromkeys(nodes))}: bind each rank to its GPU's "
+                            f"node with `mpirun --map-by ppr:{per_node}:numa --bind-to numa` (horovodrun --mpi: "
+                            f"--binding-args=\"--map-by ppr:{per_node}:numa --bind-to numa\"; Gloo binds "
+                            f"nothing)")
+    else:
+        cpus = "; ".join(f"local rank {r}: {affinity[g]['cpus']}" for r, g in enumerate(gpus))
+        result["advice"] = (f"GPUs alternate between NUMA nodes ({', '.join(nodes)} by local rank): bind each "
+                            f"rank with an Open MPI rankfile or `numactl --physcpubind` ({cpus})")
+    return result
+
+
 def placement():
     """One training step with device-placement logging; ops of the model left on the CPU while a GPU
     is pinned are the classic cause of a 'multi-GPU' job slower than one GPU."""
+    import tensorflow as tf
+
+    if not tf.config.get_visible_devices("GPU"):  # not list_logical_devices: it would start the context
+        return check("placement", OK, "no GPU pinned: every op runs on the CPU by design", cpu_ops=[])
+    text = placement_log()
+    if "/device:" not in text:
+        return check("placement", WARN, "TensorFlow wrote no placement log (its context had started "
+                     "before the check): ops on the CPU cannot be ruled out", cpu_ops=[])
+    cpu_ops = cpu_placed_ops(text)
+    if cpu_ops:
+        return check("placement", WARN, f"{len(cpu_ops)} op(s) of a training step ran on the CPU while "
+                     f"a GPU was pinned: {', '.join(cpu_ops[:10])}", cpu_ops=cpu_ops)
+    return check("placement", OK, "every op of a training step ran on the GPU", cpu_ops=[])
+
+
+def placement_log() -> str:
+    """TensorFlow's own placement log of one training step of the built-in cnn. Measured on TF 2.15:
+    the placer prints to stdout (not the log on stderr, whatever TF_CPP_MIN_LOG_LEVEL says), and only
+    when the switch is on before TensorFlow's context starts, so this must be the process's first op."""
     import numpy as np
     import tensorflow as tf
 
     from . import models
 
-    if not tf.config.list_logical_devices("GPU"):
-        return check("placement", OK, "no GPU pinned: every op runs on the CPU by design", cpu_ops=[])
-    model = models.build("cnn", (28, 28, 1), 10)
-    model.compile("sgd", tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = np.zeros((8, 28, 28, 1), np.float32), np.zeros(8, np.int64)
     tf.debugging.set_log_device_placement(True)
     try:
-        with capture_fd(2) as captured:
-            model.train_on_batch(x, y)
+        with capture_fd(1) as out, capture_fd(2) as err:
+            model = models.BUILDERS["cnn"]((28, 28, 1), 10)
+            model.compile("sgd", tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.train_on_batch(np.zeros((8, 28, 28, 1), np.float32), np.zeros(8, np.int64))
     finally:
         tf.debugging.set_log_device_placement(False)
-    cpu_ops = cpu_placed_ops(captured.text)
-    if cpu_ops:
-        return check("placement", WARN, f"{len(cpu_ops)} op(s) of a training step ran on the CPU while "
-                     f"a GPU was pinned: {', '.join(cpu_ops[:10])}", cpu_ops=cpu_ops)
-    return check("placement", OK, "every op of a training step ran on the GPU", cpu_ops=[])
+    return out.text + err.text
 
 
 _HOST_SIDE = re.compile(r"(Iterator|Dataset|Identity|NoOp|Const|_Arg|_Retval|Placeholder|ReadVariableOp"
@@ -191,26 +281,35 @@ def cpu_placed_ops(log_text: str) -> list:
 
 
 class capture_fd(contextlib.AbstractContextManager):
-    """Capture what C++ code writes to a file descriptor (TensorFlow logs placement from C++)."""
+    """Capture what C++ code writes to a file descriptor (TensorFlow prints placement from C++)."""
 
     def __init__(self, fd):
         self.fd, self.text = fd, ""
 
     def __enter__(self):
         self.tmp = tempfile.TemporaryFile(mode="w+b")
-        sys.stderr.flush()
+        _flush_all()
         self.saved = os.dup(self.fd)
         os.dup2(self.tmp.fileno(), self.fd)
         return self
 
     def __exit__(self, *exc):
-        sys.stderr.flush()
+        _flush_all()
         os.dup2(self.saved, self.fd)
         os.close(self.saved)
         self.tmp.seek(0)
         self.text = self.tmp.read().decode(errors="replace")
         self.tmp.close()
         return False
+
+
+def _flush_all():
+    """Python's buffers and C's (printf to a file is block-buffered), before a descriptor changes hands."""
+    import ctypes
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ctypes.CDLL(None).fflush(None)
 
 
 def cpu_threads(slots: int, threads: int):

@@ -127,18 +127,17 @@ def init(threads: int = 0, horovod_env: dict | None = None) -> World:
         os.environ.setdefault("HOROVOD_CYCLE_TIME", GLOO_CPU_CYCLE_TIME_MS)
     hvd.init()
     rank, size, local_rank, local_size = hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()
-    if gpus:
-        if local_rank >= len(gpus):
-            raise UserError(f"host {os.uname().nodename} runs {local_size} workers but has "
-                            f"{len(gpus)} GPU(s); lower the slots for this host")
-        gpu = gpus[local_rank]
+    index, why = choose_gpu(len(gpus), local_rank, local_size, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                            os.uname().nodename)
+    if index is not None:
+        gpu = gpus[index]
         try:
             tf.config.set_visible_devices(gpu, "GPU")
             tf.config.experimental.set_memory_growth(gpu, True)
         except RuntimeError:
             raise UserError("TensorFlow had set up its GPUs before hvdtrain could pin one: call "
                             "hvdtrain.init() before building the model or touching any tensor") from None
-        device = f"GPU:{local_rank} ({gpu.name})"
+        device = f"GPU:{index} ({gpu.name}), {why}"
     else:
         n = threads or cpu_threads_per_worker(local_size)
         try:
@@ -149,6 +148,35 @@ def init(threads: int = 0, horovod_env: dict | None = None) -> World:
             device = f"CPU, {tf.config.threading.get_intra_op_parallelism_threads() or 'all'} thread(s)"
     _world = World(rank, size, local_rank, local_size, device)
     return _world
+
+
+def choose_gpu(visible: int, local_rank: int, local_size: int, cuda_visible_devices: str | None,
+               host: str) -> tuple[int | None, str]:
+    """Which of the `visible` GPUs this worker takes, and why: (index among the visible ones, reason),
+    or (None, reason) for CPU workers. A pure decision, so that every case is tested without a GPU.
+
+    - one GPU visible through CUDA_VISIBLE_DEVICES (Slurm --gpus-per-task, a per-rank wrapper) or on a
+      host with one worker (one GPU per container): the scheduler chose it, take it;
+    - several visible: the local rank's (Horovod's recipe); more local ranks than GPUs is an error,
+      as is one unassigned GPU shared by several workers.
+    """
+    cvd = (cuda_visible_devices or "").strip()
+    ids = [d.strip() for d in cvd.split(",") if d.strip()] if cvd else []
+    if visible == 0:
+        why = f"CUDA_VISIBLE_DEVICES={cvd!r} hides every GPU" if cuda_visible_devices is not None \
+            and not ids else "no GPU visible"
+        return None, why
+    if visible == 1 and (ids or local_size == 1):
+        chosen = f"CUDA_VISIBLE_DEVICES={cvd}" if ids else f"the only GPU on {host}, one worker there"
+        return 0, f"the one GPU this process sees ({chosen})"
+    if local_rank >= visible:
+        raise UserError(f"host {host} runs {local_size} workers but this process sees {visible} GPU(s)"
+                        f"{f' (CUDA_VISIBLE_DEVICES={cvd})' if ids else ''}: local rank {local_rank} has "
+                        f"none; lower the slots for {host} to {visible}, or give each worker its own GPU "
+                        f"through CUDA_VISIBLE_DEVICES")
+    physical = f", physical GPU {ids[local_rank]}" if len(ids) == visible else ""
+    return local_rank, f"local rank {local_rank} of {local_size} on {host} takes visible GPU " \
+                       f"{local_rank} of {visible}{physical}"
 
 
 def refresh() -> World:

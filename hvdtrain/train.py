@@ -224,16 +224,17 @@ def _read_summary(cfg: Config) -> dict:
 OUTPUTS = ("summary.json", "model.keras", "model.weights.h5", "best.weights.h5", "checkpoints")
 
 
-def _keep_previous_run(cfg: Config):
-    """Rank 0, starting afresh where a run already wrote its results: move them to previous/<time>."""
-    found = [name for name in OUTPUTS if os.path.exists(os.path.join(cfg.run_dir, name))]
+def _keep_previous_run(cfg: Config, keep=(), why="starting afresh"):
+    """Rank 0, starting afresh where a run already wrote its results (or about to write results that
+    cover fewer epochs than the ones there): move them to previous/<time>, never overwrite them."""
+    found = [name for name in OUTPUTS if name not in keep and os.path.exists(os.path.join(cfg.run_dir, name))]
     if not found:
         return
     where = os.path.join(cfg.run_dir, "previous", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(where, exist_ok=True)
     for name in found:
         os.replace(os.path.join(cfg.run_dir, name), os.path.join(where, name))
-    runtime.say(f"hvdtrain: starting afresh in {cfg.run_dir}; the previous run's {', '.join(found)} "
+    runtime.say(f"hvdtrain: {why} in {cfg.run_dir}; the previous run's {', '.join(found)} "
                 f"moved to {where}")
 
 
@@ -462,6 +463,8 @@ def export_model(model, run_dir: str) -> str:
 @rank0_only
 def _write_outputs(cfg: Config, model, summary: dict):
     os.makedirs(cfg.run_dir, exist_ok=True)
+    if _read_summary(cfg).get("last_epoch", 0) > summary["last_epoch"]:  # e.g. --resume of an early ckpt
+        _keep_previous_run(cfg, keep=("checkpoints", "best.weights.h5"), why="this run covers fewer epochs than the one")
     if cfg.save_model:
         summary["model"]["file"] = export_model(model, cfg.run_dir)
     path = os.path.join(cfg.run_dir, "summary.json")

@@ -62,27 +62,117 @@ def test_doctor_fails_when_a_host_is_not_reachable_over_ssh():
     assert _results(report)["ssh 127.0.0.2"]["status"] == "error"
 
 
-TOPO = """\
-\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity
-GPU0\t X \tNV1\tSYS\tSYS\t0-19\t0
-GPU1\tNV1\t X \tSYS\tSYS\t0-19\t0
-GPU2\tSYS\tSYS\t X \tNV1\t20-39\t1
-GPU3\tSYS\tSYS\tNV1\t X \t20-39\t1
+SHARED = ROOT.parent / "shared" / "fixtures" / "nvidia-smi"  # real nvidia-smi output, byte for byte
+FIXTURES = ROOT / "tests" / "fixtures" / "nvidia-smi"  # multi-GPU layouts, written in that same format
+
+
+def _topology(topo_file, p2p_file=None, local_size=1):
+    p2p = p2p_file.read_text() if p2p_file else ""
+    return doctor.topology_check(topo_file.read_text(), p2p, local_size)
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="../shared/fixtures not in this checkout")
+def test_real_h100_topology_with_escape_codes_keeps_gpu0_and_reads_its_affinity():
+    text = (SHARED / "h100-x1" / "topo-m.txt").read_text()
+    assert "\x1b[4mGPU0" in text  # the real header is underlined
+    topo = doctor.parse_topology(text)
+    assert topo["links"] == {"GPU0": {}}
+    assert topo["affinity"] == {"GPU0": {"cpus": "0-15", "numa": "0", "gpu_numa_id": "N/A"}}
+    r = _topology(SHARED / "h100-x1" / "topo-m.txt", SHARED / "h100-x1" / "p2p-r.txt")
+    assert r["status"] == "ok" and r["groups"] == [["GPU0"]] and r["binding"]["advice"] == ""
+    assert doctor.parse_p2p((SHARED / "h100-x1" / "p2p-r.txt").read_text()) == {"GPU0": {}}
+
+
+def test_pcie_box_without_peer_access_between_pairs_is_two_groups_with_a_warning_and_numa_binding():
+    assert "\x1b[4m" in (FIXTURES / "pcie-x4-topo-m.txt").read_text()
+    topo = doctor.parse_topology((FIXTURES / "pcie-x4-topo-m.txt").read_text())
+    assert topo["links"]["GPU0"] == {"GPU1": "PIX", "GPU2": "SYS", "GPU3": "SYS"}
+    assert topo["affinity"]["GPU3"] == {"cpus": "12-23,36-47", "numa": "1", "gpu_numa_id": "N/A"}
+    r = _topology(FIXTURES / "pcie-x4-topo-m.txt", FIXTURES / "pcie-x4-p2p-r.txt", local_size=4)
+    assert r["status"] == "warn"
+    assert r["groups"] == [["GPU0", "GPU1"], ["GPU2", "GPU3"]]
+    for pair in ("GPU0-GPU2 (SYS, no peer access)", "GPU1-GPU3 (SYS, no peer access)"):
+        assert pair in r["detail"]
+    assert "GPU0-GPU1" not in r["detail"]
+    assert r["binding"]["numa_by_local_rank"] == ["0", "0", "1", "1"]
+    assert "--map-by ppr:2:numa --bind-to numa" in r["detail"]
+
+
+def test_nvlink_machine_with_nics_is_one_group_and_binds_four_ranks_per_numa_node():
+    topo = doctor.parse_topology((FIXTURES / "nvlink-x8-topo-m.txt").read_text())
+    assert set(topo["links"]) == {*(f"GPU{i}" for i in range(8)), "NIC0", "NIC1"}
+    assert topo["links"]["GPU5"]["GPU0"] == "NV18" and topo["links"]["GPU5"]["NIC1"] == "PXB"
+    assert set(topo["affinity"]) == {f"GPU{i}" for i in range(8)}  # NIC rows have no affinity
+    r = _topology(FIXTURES / "nvlink-x8-topo-m.txt", local_size=8)
+    assert r["status"] == "ok" and r["groups"] == [[f"GPU{i}" for i in range(8)]]
+    assert "--map-by ppr:4:numa --bind-to numa" in r["detail"]
+    # two workers use GPU0 and GPU1, both on NUMA node 0: nothing to bind
+    assert _topology(FIXTURES / "nvlink-x8-topo-m.txt", local_size=2)["binding"]["advice"] == ""
+
+
+def test_gpus_alternating_between_numa_nodes_get_per_rank_cpu_lists():
+    affinity = {f"GPU{i}": {"cpus": f"{i % 2 * 8}-{i % 2 * 8 + 7}", "numa": str(i % 2), "gpu_numa_id": "N/A"}
+                for i in range(4)}
+    advice = doctor.numa_binding(affinity, 4)["advice"]
+    assert "rankfile" in advice and "local rank 1: 8-15" in advice
+
+
+@pytest.mark.parametrize("visible, local_rank, local_size, cvd, expect", [
+    (1, 3, 4, "3", 0),                   # Slurm --gpus-per-task=1 / a per-rank wrapper chose it
+    (1, 0, 1, None, 0),                  # one GPU per container
+    (4, 2, 4, None, 2),                  # several visible: the local rank's
+    (2, 1, 2, "2,3", 1),                 # CUDA_VISIBLE_DEVICES lists this host's share
+    (0, 0, 2, None, None),               # no GPU: CPU threads
+    (0, 0, 1, "", None),                 # CUDA_VISIBLE_DEVICES="" hides them
+])
+def test_each_worker_takes_the_gpu_its_scheduler_or_local_rank_gives_it(visible, local_rank, local_size, cvd,
+                                                                        expect):
+    from hvdtrain import runtime
+
+    index, why = runtime.choose_gpu(visible, local_rank, local_size, cvd, "node7")
+    assert index == expect, why
+    if cvd == "2,3":
+        assert "physical GPU 3" in why
+    if cvd == "3":
+        assert "CUDA_VISIBLE_DEVICES=3" in why
+
+
+@pytest.mark.parametrize("visible, local_rank, local_size, cvd", [
+    (2, 3, 4, None),                     # more local ranks than GPUs
+    (1, 1, 2, None),                     # one unassigned GPU, two workers would share it
+    (2, 2, 4, "0,1"),
+])
+def test_more_workers_than_gpus_is_an_error_naming_the_host_and_counts(visible, local_rank, local_size, cvd):
+    from hvdtrain import runtime
+    from hvdtrain.config import UserError
+
+    with pytest.raises(UserError, match=f"host node7 runs {local_size} workers but this process sees "
+                                        f"{visible} GPU"):
+        runtime.choose_gpu(visible, local_rank, local_size, cvd, "node7")
+
+
+PLACEMENT_SCRIPT = """
+from hvdtrain import doctor
+print("LOG-START")
+print(doctor.placement_log())
 """
 
 
-def test_topology_groups_gpus_by_direct_links_and_flags_cross_socket_pairs():
-    matrix = doctor.parse_topology(TOPO)
-    assert matrix["GPU0"] == {"GPU1": "NV1", "GPU2": "SYS", "GPU3": "SYS"}
-    assert doctor.group_by_fast_links(matrix) == [["GPU0", "GPU1"], ["GPU2", "GPU3"]]
-
-
-def test_placement_log_parsing_reports_model_ops_left_on_the_cpu():
-    log = ("Executing op MatMul in device /job:localhost/replica:0/task:0/device:GPU:0\n"
-           "Executing op Unique in device /job:localhost/replica:0/task:0/device:CPU:0\n"
-           "sequential/dense/MatMul/ReadVariableOp: (ReadVariableOp): /job:localhost/replica:0/task:0/device:CPU:0\n"
-           "gradient_tape/Cumsum: (Cumsum): /job:localhost/replica:0/task:0/device:CPU:0\n")
-    assert doctor.cpu_placed_ops(log) == ["Cumsum", "Unique"]
+def test_placement_parser_reads_tensorflows_own_log_of_a_training_step(tmp_path):
+    """The log comes from TensorFlow itself, through the doctor's own capture (on the CPU here; the
+    same switch and capture the doctor uses with a GPU pinned)."""
+    proc = launch(1, None, ["-c", PLACEMENT_SCRIPT], timeout=120)  # TF_CPP_MIN_LOG_LEVEL=2, as in a run
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    log = proc.stdout.split("LOG-START", 1)[1]
+    assert "device:CPU:0" in log
+    on_cpu = doctor.cpu_placed_ops(log)
+    assert {"MatMul", "BiasAdd"} <= set(on_cpu), on_cpu  # the model's own ops, all on the CPU here
+    assert not {"ReadVariableOp", "Identity", "NoOp", "_Arg", "_Retval"} & set(on_cpu)
+    # the same log with the model's ops on a GPU: only what stayed on the CPU is reported
+    moved = "\n".join(l.replace("device:CPU:0", "device:GPU:0") if "MatMul" in l or "BiasAdd" in l else l
+                       for l in log.splitlines())
+    after = doctor.cpu_placed_ops(moved)
+    assert "MatMul" not in after and "BiasAdd" not in after and set(after) < set(on_cpu)
 
 
 @pytest.mark.gpu

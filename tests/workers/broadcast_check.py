@@ -5,15 +5,15 @@ import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
-from hvdtrain import models, runtime, train
+from hvdtrain import models, optimizer, runtime, train
 
 world = runtime.init()
 tf.keras.utils.set_random_seed(1000 + world.rank)
-model = models.build("mlp", (8, 8, 1), 10)
+model = models.BUILDERS["mlp"]((8, 8, 1), 10)
 model.compile(optimizer=hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3)),
               loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 before = hvd.allgather_object(train.weights_sha256(model))
-train.broadcast_initial_state(model)
+optimizer.broadcast_initial_state(model)
 after = hvd.allgather_object(train.weights_sha256(model))
 if world.is_chief:
     print("RESULT " + json.dumps({"before": before, "after": after}), flush=True)

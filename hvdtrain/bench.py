@@ -37,6 +37,11 @@ def _env(extra=None):
     return env
 
 
+def say(line: str):
+    """One line per measurement as it lands: a full bench takes minutes."""
+    print(f"bench: {line}", flush=True)
+
+
 def _run(cmd, timeout, env=None):
     proc = subprocess.run(cmd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
@@ -76,6 +81,7 @@ def scaling(args, out: Path) -> dict:
             rows.append({"controller": controller, "workers": n,
                          "samples_per_sec_total": s["samples_per_sec_total"],
                          "samples_per_sec_per_worker": s["samples_per_sec_per_worker"]})
+            say(f"scaling {controller} {n} worker(s): {s['samples_per_sec_total']:.1f} samples/s")
     for r in rows:
         one = next((x for x in rows if x["workers"] == 1 and x["controller"] == r["controller"]), None)
         if one and one["samples_per_sec_total"]:
@@ -159,6 +165,8 @@ def allreduce(args) -> list:
                    timeout=args.timeout)
         line = next(l for l in out.splitlines() if "BENCH " in l)
         results.append(json.loads(line.split("BENCH ", 1)[1]))
+        top = results[-1]["rows"][-1]
+        say(f"allreduce {controller} {n} workers: {top['horovod_busbw_GBps']:.2f} GB/s busbw at {top['bytes']} bytes")
     return results
 
 
@@ -173,6 +181,7 @@ def keras_baseline(args, out: Path) -> dict:
                   "--image-size", str(args.image_size), "--batch-size", str(args.batch_size),
                   "--steps", str(steps), "--threads", str(args.threads)], timeout=args.timeout)
     keras = json.loads(plain.split("BENCH ", 1)[1].splitlines()[0])["samples_per_sec"]
+    say(f"1 worker: hvdtrain {ours:.1f}, plain Keras {keras:.1f} samples/s")
     return {"hvdtrain_1_worker": ours, "plain_keras_fit": keras, "ratio": ours / keras if keras else None}
 
 
@@ -201,6 +210,45 @@ def keras_worker(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- start-up on a user's own files
+
+def startup(args, out: Path) -> dict:
+    """Launch to first step at the most workers, on the same records in two forms: a user's own schema
+    read by their own pipeline (examples/records_pipeline.py, which hvdtrain shards by file) against
+    hvdtrain's `tfrecord:` source. Interleaved A B A B; each figure is the slowest rank's start-up."""
+    import numpy as np
+
+    from . import data as data_lib
+    from examples import records_pipeline
+
+    n, records = max(args.workers), args.records
+    rng = np.random.default_rng(0)
+    x, y = rng.random((records, 8, 8, 1), dtype=np.float32), rng.integers(0, 10, records)
+    own, ours = out / "startup-records-own", out / "startup-records-tfrecord"
+    if not own.exists():
+        records_pipeline.write(str(own), x, y)
+        own.mkdir(exist_ok=True)
+    if not ours.exists():
+        ours.mkdir()
+        data_lib.write_tfrecords(x, y, str(ours / "part"), 8)
+    sources = {"own_pipeline": "examples.records_pipeline:dataset", "tfrecord": f"tfrecord:{ours}/*.tfrecord"}
+    times = {k: [] for k in sources}
+    for rep in range(args.repeats):
+        for kind, source in sources.items():
+            run_dir = out / f"startup-{kind}-{rep}"
+            cmd = ([PY] if n == 1 else _launcher(n, args.controllers[0], args.hosts) + [PY]) + [
+                "-m", "hvdtrain", "--output-dir", str(run_dir), "--no-auto-resume", "--model", "mlp",
+                "--data", source, "--val-split", "0", "--epochs", "1", "--steps-per-epoch", "1",
+                "--threads", str(args.threads), "--checkpoint-every", "0", "--no-keep-best", "--no-tensorboard",
+                "--no-save-model", "--no-worker-logs", "--verbose", "0"]
+            _run(cmd, timeout=args.timeout, env={"RECORDS": f"{own}/*.tfrecord"})
+            times[kind].append(json.loads((run_dir / "summary.json").read_text())["startup_s"])
+            say(f"startup {kind} ({records} records, {n} workers): {times[kind][-1]:.2f} s")
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    return {"records": records, "workers": n, "startup_s": times, "median_s": med,
+            "ratio": med["own_pipeline"] / med["tfrecord"]}
+
+
 # ---------------------------------------------------------------- tf.distribute peers
 
 def _free_ports(k):
@@ -226,11 +274,14 @@ def peers(args, out: Path) -> dict:
                                                           str(run_dir), *flags], timeout=args.timeout)
     s = json.loads((run_dir / "summary.json").read_text())
     res["horovod"] = {"samples_per_sec": s["samples_per_sec_total"], "val_accuracy": s["metrics"]["val_accuracy"]}
+    say(f"peers horovod: {res['horovod']['samples_per_sec']:.1f} samples/s")
     for kind in ("mwms", "ps"):
         try:
             res[kind] = _tf_distribute(kind, n, args)
         except (UserError, subprocess.TimeoutExpired) as e:
             res[kind] = {"error": str(e).splitlines()[-1][:300]}
+        say(f"peers {kind}: " + (f"{res[kind]['samples_per_sec']:.1f} samples/s" if "samples_per_sec" in res[kind]
+                                 else f"failed: {res[kind]['error']}"))
     return res
 
 
@@ -370,6 +421,11 @@ def report(results: dict) -> str:
             v = p.get(k, {})
             lines.append(f"  {k:8} " + (f"{v['samples_per_sec']:9.1f} samples/s  val_accuracy {v['val_accuracy']:.3f}"
                                         if "samples_per_sec" in v else f"failed: {v.get('error')}"))
+    if "startup" in results:
+        st = results["startup"]
+        lines.append(f"== start-up, {st['records']} records at {st['workers']} workers (median of "
+                     f"{len(st['startup_s']['tfrecord'])}): own pipeline {st['median_s']['own_pipeline']:.2f} s, "
+                     f"tfrecord: {st['median_s']['tfrecord']:.2f} s (ratio {st['ratio']:.2f})")
     return "\n".join(lines)
 
 
@@ -389,7 +445,9 @@ def parser():
     p.add_argument("--min-bytes", type=int, default=4 << 10)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--peer-epochs", type=int, default=3)
-    p.add_argument("--sections", type=lambda s: s.split(","), default=["scaling", "allreduce", "baseline", "peers"])
+    p.add_argument("--sections", type=lambda s: s.split(","), default=["scaling", "allreduce", "baseline", "peers", "startup"])
+    p.add_argument("--records", type=int, default=200_000, help="startup: records in the user's own files")
+    p.add_argument("--repeats", type=int, default=3, help="startup: interleaved repetitions")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--worker", choices=["allreduce", "keras", "mwms", "ps"], help=argparse.SUPPRESS)
@@ -420,6 +478,8 @@ def main(argv) -> int:
         results["baseline"] = keras_baseline(args, out)
     if "peers" in args.sections:
         results["peers"] = peers(args, out)
+    if "startup" in args.sections:
+        results["startup"] = startup(args, out)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     results["plot"] = plot(results, out / "scaling.png")
     print(report(results))

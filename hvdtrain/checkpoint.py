@@ -90,9 +90,17 @@ class Checkpoints:
             return f"cannot restore checkpoint {path}: {first}"
         with tempfile.TemporaryDirectory() as tmp:  # this model's variables, under the same names
             ours = dict(tf.train.list_variables(tf.train.Checkpoint(model=self.model).write(f"{tmp}/c")))
-        ours = {k: v for k, v in ours.items() if k.startswith("model/")}
-        theirs_model = {k: v for k, v in theirs.items() if k.startswith("model/")}
-        name = lambda k: k[len("model/"):].replace("/.ATTRIBUTES/VARIABLE_VALUE", "")
+        weights = lambda d: {k: v for k, v in d.items() if k.startswith("model/") and "optimizer" not in k
+                             and "OPTIMIZER_SLOT" not in k}  # the model's own variables, not its optimizer's
+        ours, theirs_model = weights(ours), weights(theirs)
+        layers = [layer.name for layer in self.model.layers if layer.weights]
+
+        def name(key):  # model/layer_with_weights-1/kernel/... -> hidden/kernel (this model's layer names)
+            parts = key[len("model/"):].replace("/.ATTRIBUTES/VARIABLE_VALUE", "").split("/")
+            i = parts[0].rsplit("-", 1)[-1]
+            if parts[0].startswith("layer_with_weights-") and i.isdigit() and int(i) < len(layers):
+                parts[0] = layers[int(i)]
+            return "/".join(parts)
         diff = [f"{name(k)} is {tuple(theirs_model[k])} there, {tuple(ours[k])} here"
                 for k in sorted(set(ours) & set(theirs_model)) if theirs_model[k] != ours[k]]
         diff += [f"{name(k)} is only here" for k in sorted(set(ours) - set(theirs_model))]
@@ -151,6 +159,16 @@ def meta(path: str) -> dict:
         return {}
     with open(meta_file) as fh:
         return json.load(fh)
+
+
+def epoch_of(path: str) -> int:
+    """The epoch a checkpoint was written at (read from it: config.json speaks for the latest only)."""
+    import tensorflow as tf
+
+    try:
+        return int(tf.train.load_variable(path, "epoch/.ATTRIBUTES/VARIABLE_VALUE"))
+    except Exception:  # unreadable: restoring it will say why
+        return 0
 
 
 MUST_MATCH = ("model", "data", "optimizer", "precision", "synthetic_shape", "synthetic_classes")

@@ -37,7 +37,7 @@ def parse_spec(spec: str) -> list:
     return _done(entries, errors)
 
 
-def parse_hostfile(path: str, allow_empty: bool = False) -> list:
+def parse_hostfile(path: str, discover: bool = False) -> list:
     try:
         with open(path) as fh:
             lines = fh.read().splitlines()
@@ -48,12 +48,13 @@ def parse_hostfile(path: str, allow_empty: bool = False) -> list:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        m = _FILE_LINE.match(line)
+        m = _FILE_LINE.match(line) or (_SPEC_ITEM.match(line) if discover else None)
         if not m:
-            errors.append(f"{path}:{n}: '{raw.strip()}': expected 'host slots=N'")
+            errors.append(f"{path}:{n}: '{raw.strip()}': expected 'host slots=N'"
+                          + (" or 'host:N'" if discover else ""))
             continue
         _add(entries, errors, m.group("host"), m.group("slots"), f"{path}:{n}")
-    if not entries and not errors and not allow_empty:
+    if not entries and not errors and not discover:
         errors.append(f"{path}: no hosts")
     return _done(entries, errors)
 
@@ -78,11 +79,13 @@ def _done(entries, errors):
     return entries
 
 
-def parse(hostfile: str | None = None, spec: str | None = None, allow_empty: bool = False) -> list:
+def parse(hostfile: str | None = None, spec: str | None = None, discover: bool = False) -> list:
+    """discover: the hostfile of an elastic job, which may be empty for a while and may be written
+    in the -H style (`host:N` lines) as well."""
     if hostfile and spec:
         raise UserError("give --hostfile or -H, not both")
     if hostfile:
-        return parse_hostfile(hostfile, allow_empty)
+        return parse_hostfile(hostfile, discover)
     return parse_spec(spec or "localhost:1")
 
 
@@ -159,7 +162,7 @@ def parser():
 def main(argv) -> int:
     args = parser().parse_args(argv)
     if args.discover:  # no host available (yet) is a normal state of an elastic job: print nothing
-        for host, slots in parse(args.hostfile, args.hosts, allow_empty=True):
+        for host, slots in parse(args.hostfile, args.hosts, discover=True):
             print(f"{host}:{slots}")
         return 0
     entries = parse(args.hostfile, args.hosts)

@@ -110,6 +110,7 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
     for note in data.notes + trainer.notes:
         log.info(note)
     ckpts = Checkpoints(cfg, model)
+    startup_s = time.time() - t0  # launch to the first step: data found, counted and sharded, model built
     try:
         if elastic:
             (history, epoch_end), data, rounds = fit_elastic(cfg, model, data, ckpts, trainer)
@@ -141,6 +142,7 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
         "samples_per_sec_per_worker": per_worker,
         "samples_per_sec_total": sum(per_worker),
         "wall_time_s": time.time() - t0,
+        "startup_s": max(runtime.gather(startup_s)),
         "weights_sha256_by_rank": runtime.gather(weights_sha256(model)),
         "precision": {"policy": _policy(), "loss_scaling": _loss_scaling(model)},
         "elastic_rounds": rounds,
@@ -201,7 +203,7 @@ def _finished_run(cfg: Config):
     decision = None
     if runtime.world().is_chief:
         path = checkpoint.find(cfg)
-        epoch = checkpoint.meta(path).get("epoch", 0) if path else 0
+        epoch = checkpoint.epoch_of(path) if path else 0
         if path and epoch >= cfg.epochs:
             decision = _read_summary(cfg)
             runtime.say(f"hvdtrain: already trained to epoch {epoch} of {cfg.epochs} in {cfg.run_dir}: "

@@ -33,6 +33,9 @@ def test_bench_reports_scaling_allreduce_and_keras_baseline(tmp_path):
     assert res["baseline"]["ratio"] > 0
     assert (tmp_path / "scaling.png").stat().st_size > 1000
     assert "efficiency" in text and "plain Keras" in text
+    progress = [l for l in text.splitlines() if l.startswith("bench: ")]  # one per measurement, as it lands
+    assert len(progress) == 4 + 2 + 1, progress
+    assert text.index("bench: scaling gloo 1 worker(s)") < text.index("== throughput")
 
 
 def test_bench_compares_horovod_with_tf_distribute_peers(tmp_path):
@@ -40,3 +43,12 @@ def test_bench_compares_horovod_with_tf_distribute_peers(tmp_path):
     for kind in ("horovod", "mwms", "ps"):
         assert res["peers"][kind].get("samples_per_sec", 0) > 0, res["peers"][kind]
         assert 0 <= res["peers"][kind]["val_accuracy"] <= 1
+
+
+def test_bench_times_startup_on_a_users_own_files_against_the_tfrecord_source(tmp_path):
+    text, res = _bench(tmp_path, "--controllers", "gloo", "--sections", "startup", "--records", "4000",
+                       "--repeats", "1")
+    st = res["startup"]
+    assert st["records"] == 4000 and st["workers"] == 2
+    assert all(len(v) == 1 and v[0] > 0 for v in st["startup_s"].values()) and st["ratio"] > 0
+    assert "bench: startup own_pipeline" in text and "== start-up, 4000 records" in text

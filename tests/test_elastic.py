@@ -121,15 +121,27 @@ def test_elastic_flag_outside_an_elastic_launch_is_a_clear_error(tmp_path):
 
 def test_discover_prints_a_hostfile_as_the_host_slots_lines_horovodrun_reads(tmp_path):
     hostfile = tmp_path / "hosts"
-    hostfile.write_text("# available now\nnode1 slots=4\nnode2:2\nnode3\n")
+    hostfile.write_text("# available now\nnode1 slots=4\nnode2 slots=two\nnode3\n")
     run = lambda: subprocess.run([PYTHON, "-m", "hvdtrain", "hosts", "--discover", "--hostfile", str(hostfile)],
                                  cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=60)
     proc = run()
-    assert proc.returncode != 0 and "node2:2" in proc.stderr  # not hostfile syntax: say where, print nothing
-    assert proc.stdout == ""
-    hostfile.write_text("# available now\nnode1 slots=4\nnode3\n")
+    assert proc.returncode != 0 and "hosts:3: slots must be a positive integer, got 'two'" in proc.stderr
+    assert proc.stdout == ""  # a bad line: say where, print nothing
+    hostfile.write_text("# available now, in either format\nnode1 slots=4\nnode2:2\nnode3\n")
     proc = run()
-    assert proc.returncode == 0 and proc.stdout.splitlines() == ["node1:4", "node3:1"]
+    assert proc.returncode == 0 and proc.stdout.splitlines() == ["node1:4", "node2:2", "node3:1"]
     hostfile.write_text("# none yet\n")  # a normal state of an elastic job, not an error
     proc = run()
     assert proc.returncode == 0 and proc.stdout.strip() == ""
+
+
+def test_a_bad_discovery_hostfile_reaches_the_user_through_horovodrun(tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost slots=two\n")
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
+           "--host-discovery-script", f"{PYTHON} -m hvdtrain hosts --discover --hostfile {hostfile}",
+           PYTHON, "-m", "hvdtrain", "--elastic", "--output-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"hvdtrain: error: {hostfile}:1: slots must be a positive integer, got 'two'" in proc.stdout

@@ -184,3 +184,28 @@ def test_hosts_check_names_the_host_whose_sshd_is_down(cluster):
     assert errors[0].startswith("hvdtrain: error: node2: not reachable over ssh"), errors
     assert "Connection refused" in errors[0], errors
     assert "node1: 2 slot(s), reachable over ssh" in proc.stdout
+
+
+def test_every_command_of_the_docs_that_names_hosts_runs_as_written_on_node1_and_node2(cluster, tmp_path):
+    """The README's and docs' host1/host2 commands, launched from node1 as the docs say (Gloo needs the
+    launcher on a host of the cluster), at small sizes: tests/doc_commands.py."""
+    from doc_commands import NOT_RUN, all_commands, names_hosts, quoted_env, small
+
+    yaml = tmp_path / "my.yaml"
+    yaml.write_text("model: mlp\ndata: digits\nbatch_size: 16\nepochs: 1\nsteps_per_epoch: 3\nverbose: 0\n"
+                    "tensorboard: false\n")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
+    env = quoted_env(job_env(MPI_YIELD), ENV_NAMES + ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
+                                                      "OMPI_MCA_mpi_yield_when_idle"))
+    ran, failures = 0, []
+    for i, (where, cmd) in enumerate(all_commands()):
+        if cmd in NOT_RUN or not (names_hosts(cmd) or "hostfiles/" in cmd):
+            continue
+        line = small(cmd, tmp_path / f"c{i}", yaml, hostfile, tmp_path / "hosts.txt")
+        proc = run(["ssh", "node1", f"cd {shlex.quote(str(ROOT))} && env {env} bash -c {shlex.quote(line)}"],
+                   timeout=300)
+        ran += 1
+        if proc.returncode != 0:
+            failures.append(f"{where}: {cmd}\n  ran: {line}\n  exit {proc.returncode}: {proc.stdout[-1500:]}")
+    assert ran >= 8 and not failures, "\n".join(failures)

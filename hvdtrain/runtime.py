@@ -7,6 +7,7 @@ through `rank0_only`; everything that can fail differently per rank during set-u
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -221,7 +222,7 @@ def gather(obj) -> list:
     sends its error into whichever gather the others are waiting in (`all_ranks_agree`), so they raise
     it instead of waiting forever for a collective it will never reach.
     """
-    if _world.size == 1:
+    if _world.size == 1 or _alone:
         return [obj]
     import horovod.tensorflow as hvd
 
@@ -230,6 +231,21 @@ def gather(obj) -> list:
     if failed:
         raise PeerFailed(_where(failed))
     return [v for _, v in got]
+
+
+_alone = False
+
+
+@contextlib.contextmanager
+def alone():
+    """gather() answers for this rank alone: an elastic worker may be joining a running job, and must
+    not call a collective before hvd.elastic.run has synced it with the others."""
+    global _alone
+    _alone = True
+    try:
+        yield
+    finally:
+        _alone = False
 
 
 def _where(failed) -> str:

@@ -9,6 +9,7 @@ at every epoch's end (callbacks.py); and let rank 0 alone print and write.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -102,18 +103,23 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
             return done
 
     need_classes = model is None and models.needs_classes(cfg.model)
-    data = agree(load_data, cfg, world, data, validation_data, need_classes)
+    shard = functools.partial(load_data, cfg, source=data, validation=validation_data, need_classes=need_classes)
+    if elastic:  # here the data only give the model its shapes; every elastic round shards them anew
+        with runtime.alone():
+            data = shard(world)
+    else:
+        data = agree(shard, world)
     cfg = dataclasses.replace(cfg, batch_size=data.batch_size)
     if model is None:
         model = agree(models.build, cfg.model, data)
     cfg, trainer = agree(compile_for_training, model, cfg, world)
-    for note in data.notes + trainer.notes:
+    for note in ([] if elastic else data.notes) + trainer.notes:
         log.info(note)
     ckpts = Checkpoints(cfg, model)
     startup_s = time.time() - t0  # launch to the first step: data found, counted and sharded, model built
     try:
         if elastic:
-            (history, epoch_end), data, rounds = fit_elastic(cfg, model, data, ckpts, trainer)
+            (history, epoch_end), data, rounds = fit_elastic(cfg, model, shard, ckpts, trainer)
             first_epoch = rounds[0]["from_epoch"]
         else:
             first_epoch, rounds = ckpts.restore_and_broadcast(), []
@@ -337,30 +343,44 @@ def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch
         _report_training_failure(e, where, world, workers)
 
 
-# Horovod's words when a peer raised and shut down (not when it died: then Gloo/MPI report a lost peer)
-_PEER_RAISED = "This was caused by an exception on one of the ranks"
-
-
 def _report_training_failure(e, where: str, world, workers):
-    """One line for the cause, from the rank that hit it; the traceback in that rank's log file."""
+    """One line for the cause, from the rank that hit it; the traceback in that rank's log file.
+
+    Horovod gives every other rank the same words whether a peer died or a peer's own step raised (and
+    that peer reports why), so a survivor looks: a peer on this host whose process is gone died."""
     text = str(e)
     horovod = "horovod" in f"{type(e).__module__} {text}".lower()
-    if horovod and world.size > 1 and _PEER_RAISED in text:
-        # a peer's own step failed and it is reporting that: stay quiet, leave a line in the log
-        log.error("rank %d stopped: a peer's training step failed (it reports why)", world.rank,
-                  extra=runtime.FILE_ONLY)
-        raise SystemExit(1)
     if horovod and world.size > 1:
+        host = socket.gethostname()
         table = ", ".join(f"rank {r} on {h} (pid {p})" for r, (h, p) in enumerate(workers))
-        log.error("rank %d lost its peers during training (%s: %s), or Horovod shut down. Workers "
-                  "were: %s. The launcher names the one that exited first; a stall shutdown is "
-                  "reported above by Horovod.", world.rank, type(e).__name__,
-                  text.strip().splitlines()[0][:200], table, extra=runtime.EVERY_RANK)
+        gone = [f"rank {r} (pid {p})" for r, (h, p) in enumerate(workers) if h == host and not _alive(p)]
+        remote = any(h != host for h, _ in workers)
+        if gone:
+            log.error("rank %d lost its peers during training (%s on %s exited). Workers were: %s. The "
+                      "launcher names the one that exited first.", world.rank, ", ".join(gone), host, table,
+                      extra=runtime.EVERY_RANK)
+        elif remote:
+            log.error("rank %d stopped: Horovod shut down (%s): a worker on another host died, or its "
+                      "training step failed and it reports why. Workers were: %s. A stall shutdown is "
+                      "reported above by Horovod.", world.rank, text.strip().splitlines()[0][:120], table,
+                      extra=runtime.EVERY_RANK)
+        else:  # every peer is alive on this host: one's own step failed, and it reports why
+            log.error("rank %d stopped: a peer's training step failed (it reports why)", world.rank,
+                      extra=runtime.FILE_ONLY)
         raise SystemExit(1)
     log.error("training step failed on rank %d", world.rank, exc_info=e, extra=runtime.FILE_ONLY)
     logfile = f"; traceback in {log_file()}" if log_file() else ""
     raise runtime.TrainingFailed(f"the training step failed on rank {world.rank} at {where}: "
                                  f"{explain(e)}{logfile}") from None
+
+
+def _alive(pid: int) -> bool:
+    """Is this process running (a zombie, dead but not yet reaped by the launcher, is not)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def log_file() -> str | None:
@@ -386,7 +406,7 @@ def explain(e: Exception) -> str:
     return f"{type(e).__name__}" + (f" at {node.group(1)}" if node else "") + f": {message}"
 
 
-def fit_elastic(cfg: Config, model, data, ckpts, trainer: Trainer):
+def fit_elastic(cfg: Config, model, shard, ckpts, trainer: Trainer):
     """Training that outlives its workers, with Horovod's elastic API.
 
     hvd.elastic.run calls `one_round` again after every change of the world: when a worker dies, the
@@ -396,17 +416,20 @@ def fit_elastic(cfg: Config, model, data, ckpts, trainer: Trainer):
     """
     import horovod.tensorflow.keras as hvd
     import tensorflow as tf
+    from horovod.common.exceptions import HorovodInternalError
 
     ckpts.restore_on_rank0()  # the first sync hands rank 0's model, optimizer and epoch to everyone
     state = hvd.elastic.KerasState(model, epoch=int(ckpts.epoch.numpy()), batch=0)
-    rounds, sharded_for = [], runtime.world()
+    rounds, data, sharded_for = [], None, None
 
     @hvd.elastic.run
     def one_round(state):
         nonlocal data, sharded_for
         world = runtime.refresh()
-        if (world.rank, world.size) != (sharded_for.rank, sharded_for.size):
-            data, sharded_for = load_data(cfg, world), world
+        if sharded_for is None or (world.rank, world.size) != (sharded_for.rank, sharded_for.size):
+            data, sharded_for = shard(world), world
+            for note in data.notes:
+                log.info(note)
         lr = trainer.peak_lr(world)
         rounds.append({"world_size": world.size, "from_epoch": int(state.epoch), "lr": lr})
         log.info("elastic round %d: %d workers from epoch %d, lr %s", len(rounds), world.size,
@@ -418,7 +441,14 @@ def fit_elastic(cfg: Config, model, data, ckpts, trainer: Trainer):
             tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(state, "epoch", epoch + 1)),
             hvd.elastic.CommitStateCallback(state, batches_per_commit=cfg.commit_every),
         ]
-        return fit_on_shard(cfg, model, data, world, ckpts, int(state.epoch), trainer, keep_state)
+        try:
+            return fit_on_shard(cfg, model, data, world, ckpts, int(state.epoch), trainer, keep_state)
+        except tf.errors.OpError as e:
+            # hvd.elastic.run rolls back on errors of the ops it names (HorovodAllreduce, ...) and
+            # returns None on any other: a lost peer seen by a grouped allreduce must roll back too
+            if "horovod" in str(e).lower():
+                raise HorovodInternalError(e) from e
+            raise
 
     return one_round(state), data, rounds
 

@@ -399,7 +399,7 @@ def plot(results: dict, path: Path):
 def report(results: dict) -> str:
     lines = [f"== throughput: {results['scaling']['model']} {results['scaling']['image_size']}px, batch "
              f"{results['scaling']['batch_size_per_worker']}/worker, {results['scaling']['threads_per_worker']} "
-             f"thread(s)/worker"]
+             f"thread(s)/worker"] if results["scaling"]["rows"] else []
     for r in results["scaling"]["rows"]:
         lines.append(f"  {r['controller']:7} {r['workers']} worker(s): {r['samples_per_sec_total']:9.1f} samples/s"
                      f"  efficiency {r.get('efficiency', float('nan')):.1%}")

@@ -203,7 +203,8 @@ def test_every_command_of_the_docs_that_names_hosts_runs_as_written_on_node1_and
         if cmd in NOT_RUN or not (names_hosts(cmd) or "hostfiles/" in cmd):
             continue
         line = small(cmd, tmp_path / f"c{i}", yaml, hostfile, tmp_path / "hosts.txt")
-        proc = run(["ssh", "node1", f"cd {shlex.quote(str(ROOT))} && env {env} bash -c {shlex.quote(line)}"],
+        # exported inside the shell: bash run by sshd reads ~/.bashrc first (here pyenv puts its python first)
+        proc = run(["ssh", "node1", f"cd {shlex.quote(str(ROOT))} && bash -c {shlex.quote(f'export {env}; {line}')}"],
                    timeout=300)
         ran += 1
         if proc.returncode != 0:

@@ -141,3 +141,21 @@ def test_the_python_api_script_trains_under_horovodrun_and_plain_python(launcher
     assert s["metrics"]["val_accuracy"] > 0.8
     assert f"validation accuracy {s['metrics']['val_accuracy']:.3f} with {np_} worker(s)" in proc.stdout
     assert (tmp_path / "checkpoints" / "checkpoint").exists() and (tmp_path / "model.keras").exists()
+
+
+def test_several_outputs_keep_their_dict_losses_weights_and_metrics(out):
+    s = train(2, "gloo", out, "--model", "user_models:two_heads", "--data", "user_data:digits_two_heads",
+              "--epochs", "8")
+    m = s["metrics"]
+    assert {"digit_loss", "odd_loss", "digit_accuracy", "odd_auc", "val_digit_accuracy", "val_odd_auc"} <= set(m)
+    assert m["loss"] == pytest.approx(m["digit_loss"] + 0.5 * m["odd_loss"], rel=1e-3)  # the user's loss_weights
+    assert m["val_digit_accuracy"] > 0.85 and m["val_odd_auc"] > 0.9, m
+    assert _same_weights_on_every_rank(s)
+
+
+def test_multi_label_targets_train_with_the_users_binary_crossentropy(out):
+    s = train(2, "mpirun", out, "--model", "user_models:multi_label", "--data", "user_data:digits_multi_label",
+              "--epochs", "8")
+    assert s["model"]["loss"] == "binary_crossentropy (model.compile)"
+    assert s["metrics"]["val_bin_acc"] > 0.85, s["metrics"]
+    assert _same_weights_on_every_rank(s)

@@ -160,3 +160,22 @@ def records_sharded(ctx):
 def images():
     """Keras' image_dataset_from_directory with its defaults (batch 32, 256x256, shuffled)."""
     return tf.keras.utils.image_dataset_from_directory(os.environ["IMAGES"])
+
+
+def _digits_with(labels):
+    d = load_digits()
+    x = (d.images / 16.0).astype(np.float32)[..., None]
+    order = np.random.default_rng(0).permutation(len(x))
+    val, train = order[:359], order[359:]
+    make = lambda idx: tf.data.Dataset.from_tensor_slices((x[idx], tf.nest.map_structure(lambda a: a[idx], labels(d.target))))
+    return make(train), make(val)
+
+
+def digits_two_heads():
+    """(image, {"digit": 0-9, "odd": 0/1}) for a two-output model."""
+    return _digits_with(lambda t: {"digit": t.astype(np.int64), "odd": (t % 2).astype(np.float32)})
+
+
+def digits_multi_label():
+    """k-hot targets: odd, at least 5, a multiple of 3."""
+    return _digits_with(lambda t: np.stack([t % 2 == 1, t >= 5, t % 3 == 0], axis=1).astype(np.float32))

@@ -142,3 +142,27 @@ def image_classifier():
     ], name="image_classifier")
     model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
+
+
+def two_heads():
+    """Two outputs (keras.io "multi-input and multi-output models"): the digit, and whether it is odd;
+    a loss, a weight and metrics per output, given as dicts."""
+    inputs = keras.Input((8, 8, 1), name="image")
+    x = layers.Dense(64, activation="relu")(layers.Flatten()(inputs))
+    outputs = {"digit": layers.Dense(10, name="digit")(x), "odd": layers.Dense(1, activation="sigmoid", name="odd")(x)}
+    model = keras.Model(inputs, outputs, name="two_heads")
+    model.compile(optimizer=keras.optimizers.Adam(2e-3),
+                  loss={"digit": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        "odd": "binary_crossentropy"},
+                  loss_weights={"digit": 1.0, "odd": 0.5},
+                  metrics={"digit": ["accuracy"], "odd": [keras.metrics.AUC(name="auc")]})
+    return model
+
+
+def multi_label():
+    """Several labels per example (k-hot targets), one sigmoid unit each."""
+    model = keras.Sequential([layers.Input((8, 8, 1)), layers.Flatten(), layers.Dense(64, activation="relu"),
+                              layers.Dense(3, activation="sigmoid")], name="multi_label")
+    model.compile(optimizer=keras.optimizers.Adam(2e-3), loss="binary_crossentropy",
+                  metrics=[keras.metrics.BinaryAccuracy(name="bin_acc")])
+    return model

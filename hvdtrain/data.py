@@ -513,6 +513,18 @@ def _hold_out(ds, fraction: float, name: str):
     return train, val
 
 
+_SHARDABLE_READERS = {"TFRecordDataset", "TextLineDataset", "FixedLengthRecordDataset"}  # what FILE rewrites
+_READERS = _SHARDABLE_READERS | {"CSVDataset", "SqlDataset"}
+
+
+def _file_readers(ds) -> set:
+    """The file readers in a pipeline's graph, including those inside interleave/flat_map functions."""
+    import re
+
+    graph = ds._as_serialized_graph().numpy()
+    return {name for name in _READERS if re.search(rb"(?<![A-Za-z])" + name.encode() + rb"(V\d)?(?![A-Za-z])", graph)}
+
+
 def shard(ds, rank: int, workers: int):
     """(this worker's shard of ds, a pipeline with the same count that skips the parsing, "file" or
     "element", why not by file or None).
@@ -533,12 +545,17 @@ def shard(ds, rank: int, workers: int):
     by_element = (ds.shard(workers, rank), reader.shard(workers, rank), "element")
     if policy == tf.data.experimental.AutoShardPolicy.DATA:
         return (*by_element, None)
+    reads = _file_readers(ds)
+    if not reads & _SHARDABLE_READERS:  # asked anyway, TensorFlow's rewrite logs a 100-line error first
+        why = (f"its reader ({', '.join(sorted(reads))}) cannot be sharded by file by TensorFlow: sharded "
+               f"by element instead, so every worker reads every file") if reads else None
+        return (*by_element, why)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
     try:
         by_file = _AutoShardDataset(ds.with_options(options), workers, rank)
     except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError):
-        return (*by_element, None)  # no file reader in the pipeline
+        return (*by_element, None)  # no file reader at the source of the pipeline
     my_reader = _AutoShardDataset(reader.with_options(options), workers, rank)
     try:
         nothing = next(iter(my_reader.take(1)), None) is None
@@ -629,7 +646,8 @@ def _from_pipeline(cfg: Config, world: World, name: str, train, val, user_shards
     if cardinality == tf.data.INFINITE_CARDINALITY or (cardinality < 0 and cfg.steps_per_epoch):
         if not cfg.steps_per_epoch:
             raise UserError(f"--data {name} is infinite (it repeats): give --steps-per-epoch N, the "
-                            f"steps that make one epoch")
+                            f"steps that make one epoch, or make it finite (make_csv_dataset and "
+                            f"make_batched_features_dataset repeat unless num_epochs=1)")
         notes.append(f"{name} is {'infinite' if cardinality == tf.data.INFINITE_CARDINALITY else 'of unknown size'}"
                      f": each epoch is --steps-per-epoch {cfg.steps_per_epoch} steps of one stream "
                      f"that goes on across epochs")

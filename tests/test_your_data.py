@@ -61,6 +61,19 @@ def test_fewer_files_than_workers_falls_back_to_element_sharding_and_says_so(tmp
     assert s["data"]["sharding"] == "element" and s["steps_per_epoch"] == 600 // 2 // 32
 
 
+def test_csv_files_whose_reader_cannot_be_sharded_by_file_are_sharded_by_element_and_say_so(tmp_path):
+    import user_data
+
+    user_data.write_csv(str(tmp_path / "csv"), 4)
+    proc = _job(2, "gloo", tmp_path / "run", *SGD_MODEL, "--data", "user_data:csv_files", "--epochs", "1",
+                env={"CSV": str(tmp_path / "csv")})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "its reader (CSVDataset) cannot be sharded by file by TensorFlow: sharded by element" in proc.stdout
+    assert "tf_auto_shard failed" not in proc.stdout  # TensorFlow's rewrite is not asked, so it dumps nothing
+    s = _summary(tmp_path / "run")
+    assert s["data"]["sharding"] == "batch" and s["steps_per_epoch"] == 1797 // 32 // 2
+
+
 def test_a_data_function_taking_a_context_shards_and_batches_itself(tmp_path):
     env = {"RECORDS": _records(tmp_path, 4, 200)}
     proc = _job(2, "gloo", tmp_path / "run", *SGD_MODEL, "--data", "user_data:records_sharded",

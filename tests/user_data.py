@@ -179,3 +179,21 @@ def digits_two_heads():
 def digits_multi_label():
     """k-hot targets: odd, at least 5, a multiple of 3."""
     return _digits_with(lambda t: np.stack([t % 2 == 1, t >= 5, t % 3 == 0], axis=1).astype(np.float32))
+
+
+def csv_files():
+    """The TF guide's CSV loading: make_csv_dataset over the user's files (batched; finite with num_epochs=1)."""
+    return tf.data.experimental.make_csv_dataset(os.path.join(os.environ["CSV"], "*.csv"), batch_size=32,
+                                                 label_name="digit", column_defaults=[0.0] * 64 + [0],
+                                                 num_epochs=1, shuffle=False) \
+        .map(lambda features, label: (tf.reshape(tf.stack(list(features.values()), axis=-1), (-1, 8, 8, 1)), label))
+
+
+def write_csv(folder, files):
+    d = load_digits()
+    os.makedirs(folder, exist_ok=True)
+    header = ",".join([f"p{i:02d}" for i in range(64)] + ["digit"])
+    for f in range(files):
+        rows = [",".join(f"{v / 16:.4g}" for v in d.data[i]) + f",{d.target[i]}" for i in range(f, len(d.target), files)]
+        with open(os.path.join(folder, f"part-{f}.csv"), "w") as fh:
+            fh.write(header + "\n" + "\n".join(rows) + "\n")

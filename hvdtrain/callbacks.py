@@ -50,8 +50,7 @@ def combined_metrics(model, logs: dict) -> dict:
     if variables:
         for v, total in zip(variables, _allreduce([v.value() for v in variables], hvd.Sum)):
             v.assign(total)
-    results = {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items()
-               if np.asarray(v).size == 1}
+    results = {k: _scalar(v) for k, v in model.get_metrics_result().items() if np.asarray(v).size == 1}
     combined = {k: results[k] for k in logs if k in results}
     others = sorted(k for k in logs if k not in results)
     if others:

@@ -525,6 +525,11 @@ def _file_readers(ds) -> set:
     return {name for name in _READERS if re.search(rb"(?<![A-Za-z])" + name.encode() + rb"(V\d)?(?![A-Za-z])", graph)}
 
 
+def _under_the_maps(ds):
+    """The pipeline below its one-to-one steps (map, prefetch, shuffle): the same count, no parsing."""
+    return list(_upstream(ds, _ONE_TO_ONE))[-1]
+
+
 def shard(ds, rank: int, workers: int):
     """(this worker's shard of ds, a pipeline with the same count that skips the parsing, "file" or
     "element", why not by file or None).
@@ -538,7 +543,7 @@ def shard(ds, rank: int, workers: int):
     import tensorflow as tf
     from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
 
-    reader = list(_upstream(ds, _ONE_TO_ONE))[-1]  # under the maps: the same count, no parsing
+    reader = _under_the_maps(ds)
     policy = ds.options().experimental_distribute.auto_shard_policy
     if workers == 1 or policy == tf.data.experimental.AutoShardPolicy.OFF:
         return ds, reader, "none", None
@@ -623,7 +628,7 @@ def _from_pipeline(cfg: Config, world: World, name: str, train, val, user_shards
     # shard (unless the function did), then agree on the steps
     if user_shards:
         how, why = "yours", None
-        pre, post, countable = train, (lambda ds: ds), list(_upstream(train, _ONE_TO_ONE))[-1]
+        pre, post, countable = train, (lambda ds: ds), _under_the_maps(train)
     else:
         sharded, countable, how, why = shard(train, world.rank, world.size)
         if how == "file":  # shuffle after sharding: each worker shuffles its own records

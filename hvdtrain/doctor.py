@@ -143,6 +143,11 @@ _ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # nvidia-smi underlines its header even
 _DEVICE = re.compile(r"(GPU|NIC)\d+")
 
 
+def _table(text: str) -> list:
+    """The lines of an nvidia-smi matrix: escape codes gone, the legend and blank lines left out."""
+    return [l for l in _ESCAPE.sub("", text).split("Legend:")[0].splitlines() if l.strip()]
+
+
 def _cells(line: str) -> list:
     return [c.strip() for c in line.split("\t")]
 
@@ -154,7 +159,7 @@ def _index(name: str) -> int:
 def parse_topology(text: str) -> dict:
     """`nvidia-smi topo -m` -> {"links": {"GPU0": {"GPU1": "NV18", "NIC0": "PXB", ...}, ...},
     "affinity": {"GPU0": {"cpus": "0-55,112-167", "numa": "0", "gpu_numa_id": "N/A"}, ...}}."""
-    lines = [l for l in _ESCAPE.sub("", text).split("Legend:")[0].splitlines() if l.strip()]
+    lines = _table(text)
     if not lines:
         return {"links": {}, "affinity": {}}
     header = _cells(lines[0])[1:]
@@ -179,7 +184,7 @@ def parse_topology(text: str) -> dict:
 
 def parse_p2p(text: str) -> dict:
     """`nvidia-smi topo -p2p r` -> {"GPU0": {"GPU1": "OK", "GPU2": "NS", ...}, ...}."""
-    lines = [l for l in _ESCAPE.sub("", text).split("Legend:")[0].splitlines() if l.strip()]
+    lines = _table(text)
     if not lines:
         return {}
     gpus = [h for h in _cells(lines[0]) if _DEVICE.fullmatch(h)]

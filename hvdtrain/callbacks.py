@@ -193,3 +193,73 @@ def _bar(done: int, total: int, width: int = 20) -> str:
 def _clock(seconds: float) -> str:
     seconds = int(max(0, seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: int):
+    """The callback that writes checkpoints (ckpts: a checkpoint.Checkpoints), or None.
+
+    At the end of every --checkpoint-every epochs; and inside epochs every --checkpoint-every-steps
+    steps (or about every --checkpoint-every-minutes, rank 0's clock turned into a step count that
+    every rank is told), so that every rank reaches the save, and its collective, at the same step.
+    Only then does Keras call a per-batch hook, and it reads no tensor: the step count is Keras' own.
+    """
+    import tensorflow as tf
+
+    by_steps = bool(cfg.checkpoint_every_steps or cfg.checkpoint_every_minutes)
+    if not cfg.checkpoint_every and not by_steps:
+        return None
+
+    class EpochCheckpoints(tf.keras.callbacks.Callback):
+        _supports_tf_logs = True  # Keras then hands over the logs without converting them
+
+        def __init__(self):
+            super().__init__()
+            self.step_due_at_end = False
+            self.mark = (first_epoch * steps_per_epoch + first_step, time.perf_counter())  # (step, time)
+            self.every = cfg.checkpoint_every_steps or 20  # minutes: a first measurement after 20 steps
+            self.measured = not cfg.checkpoint_every_minutes
+            self.next_at = self.mark[0] + self.every
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+            self.offset = first_step if epoch == first_epoch else 0  # Keras counts from the resume
+
+        def on_epoch_end(self, epoch, logs=None):
+            done = epoch + 1
+            by_epoch = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.epochs)
+            if by_epoch or self.step_due_at_end:
+                self.save(done, 0)
+
+        def save(self, epoch, step):
+            ckpts.save(epoch, step)
+            self.step_due_at_end = False
+            self.retime(epoch * steps_per_epoch + step)
+
+        def retime(self, now):
+            """The step of the next save: --checkpoint-every-steps on, or as many steps as rank 0
+            measured in --checkpoint-every-minutes, told to every rank."""
+            if cfg.checkpoint_every_minutes:
+                per_step = (time.perf_counter() - self.mark[1]) / max(now - self.mark[0], 1)
+                every = max(1, int(cfg.checkpoint_every_minutes * 60 / max(per_step, 1e-9)))
+                if runtime.world().size > 1:
+                    import horovod.tensorflow as hvd
+
+                    every = hvd.broadcast_object(every, root_rank=0, name="hvdtrain.checkpoint_every")
+                self.every, self.measured = every, True
+            self.mark = (now, time.perf_counter())
+            self.next_at = now + self.every
+
+    class StepCheckpoints(EpochCheckpoints):
+        def on_train_batch_end(self, batch, logs=None):
+            step = self.offset + batch + 1
+            now = self.epoch * steps_per_epoch + step
+            if now < self.next_at or self.step_due_at_end:
+                return
+            if not self.measured:  # the first measurement, turning minutes into steps: no save
+                self.retime(now)
+            elif step >= steps_per_epoch:  # the epoch's end saves, after the ranks agree there
+                self.step_due_at_end = True
+            else:
+                self.save(self.epoch, step)
+
+    return (StepCheckpoints if by_steps else EpochCheckpoints)()

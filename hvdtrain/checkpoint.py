@@ -1,9 +1,12 @@
 """Checkpoints that survive a crash and put every worker back in the same state.
 
-Rank 0 alone writes, through tf.train.CheckpointManager: the data files of ckpt-N are written first
-and the `checkpoint` index is replaced atomically afterwards, so a crash mid-write leaves the previous
-checkpoint as the latest; the manager keeps the last K. Resuming restores on rank 0 and broadcasts
-model, optimizer and position, so workers on hosts without a shared file system resume too.
+Rank 0 alone writes: the data files of a checkpoint first, then the `checkpoint` index, replaced
+atomically (tf.train.update_checkpoint_state), so a crash mid-write leaves the previous checkpoint as
+the latest; the last K are kept. `ckpt-E` is written at the end of epoch E; `ckpt-E-step-S` after S
+steps of epoch E+1 (--checkpoint-every-steps/-minutes), with what each rank holds alone (BatchNorm's
+moving statistics, averaged only at epoch ends) so that a resume inside an epoch continues bit for bit.
+Resuming restores on rank 0 and broadcasts model, optimizer and position, so workers on hosts without
+a shared file system resume too.
 
 Beside the checkpoints, config.json says which job wrote them (a checkpoint of another job is refused,
 not half-restored), how far it got and with how many workers.
@@ -14,10 +17,12 @@ import json
 import os
 import tempfile
 
+import numpy as np
+
 from . import runtime
 from .config import Config, UserError
 from .optimizer import broadcast_initial_state, build
-from .runtime import log, rank0_only
+from .runtime import log
 
 META = "config.json"
 
@@ -28,38 +33,47 @@ class Checkpoints:
 
         self.cfg, self.model = cfg, model
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs completed
-        self.ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, epoch=self.epoch)
-        self._manager = None
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")  # steps into the next
+        self.ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, epoch=self.epoch,
+                                        step=self.step)
+        self.ckpt.save_counter  # created now, so that ckpt.write stores it as CheckpointManager did
         self.resumed_from = None  # the meta of the checkpoint this run resumed from
-
-    @property
-    def manager(self):
-        """Made by whichever process is rank 0 when it first saves (elastic resets can move rank 0)."""
-        import tensorflow as tf
-
-        if self._manager is None:
-            self._manager = tf.train.CheckpointManager(self.ckpt, self.cfg.checkpoint_dir,
-                                                       max_to_keep=self.cfg.keep_checkpoints)
-        return self._manager
+        self.ranks = None  # on resume: every rank's own state, as saved (see per_rank_state)
 
     def find(self) -> str | None:
         """The checkpoint to resume from: --resume, else the latest in the run's checkpoint dir."""
         return find(self.cfg)
 
-    def restore_and_broadcast(self) -> int:
-        """Rank 0 restores (if there is a checkpoint), then every rank takes rank 0's state.
-
-        Returns the epoch to start from. Called on every rank: it contains collectives.
+    def restore_and_broadcast(self) -> tuple:
+        """Rank 0 restores (if there is a checkpoint), then every rank takes rank 0's state, and its
+        own part of the per-rank state. Returns (epoch, step) to start from: `step` steps into epoch
+        `epoch` + 1. Called on every rank: it contains collectives.
         """
         path = runtime.all_ranks_agree(self.restore_on_rank0)
         broadcast_initial_state(self.model)
-        epoch = int(self.epoch.numpy())
+        where = (int(self.epoch.numpy()), int(self.step.numpy()))
         if runtime.world().size > 1:
             import horovod.tensorflow as hvd
 
-            path, epoch, self.resumed_from = hvd.broadcast_object((path, epoch, self.resumed_from), root_rank=0)
-            self.epoch.assign(epoch)
-        return epoch
+            path, where, self.resumed_from, self.ranks = hvd.broadcast_object(
+                (path, where, self.resumed_from, self.ranks), root_rank=0)
+            self.epoch.assign(where[0])
+            self.step.assign(where[1])
+        self.take_own_state()
+        return where
+
+    def take_own_state(self):
+        """After a resume inside an epoch: this rank's own non-trainable state as it was saved, or
+        (with another number of workers) the average over the ranks that saved it."""
+        if self.ranks is None or not self.ranks.size:
+            return
+        world = runtime.world()
+        row = self.ranks[world.rank] if len(self.ranks) == world.size else self.ranks.mean(axis=0)
+        offset = 0
+        for v in per_rank_variables(self.model):
+            n = int(np.prod(v.shape))
+            v.assign(row[offset:offset + n].reshape(v.shape).astype(v.dtype.as_numpy_dtype))
+            offset += n
 
     def restore_on_rank0(self) -> str | None:
         """Rank 0 loads the checkpoint to resume from, if there is one; other ranks do nothing.
@@ -71,12 +85,21 @@ class Checkpoints:
             return None
         path = self.find()
         if path:
+            import tensorflow as tf
+
             self.resumed_from = check_same_job(self.cfg, path)
+            try:
+                self.ranks = tf.train.load_variable(path, RANKS)
+                self.ckpt.ranks = tf.Variable(np.zeros_like(self.ranks), trainable=False, name="ranks")
+            except Exception:  # unreadable: restoring it says why
+                self.ranks = None
             try:
                 self.ckpt.restore(path).assert_consumed()
             except Exception as e:  # OpError, IndexError, ValueError: all mean "not this checkpoint"
                 raise UserError(self._explain(path, e)) from None
-            log.info("resumed from %s at epoch %d", path, int(self.epoch.numpy()))
+            step = int(self.step.numpy())
+            log.info("resumed from %s at epoch %d%s", path, int(self.epoch.numpy()),
+                     f", step {step}" if step else "")
         return path
 
     def _explain(self, path: str, error: Exception) -> str:
@@ -111,29 +134,57 @@ class Checkpoints:
         return (f"checkpoint {path} was written by a different model (edited since?): {shown}. "
                 f"--no-auto-resume starts over (the old run is kept aside), or use another --output-dir")
 
-    def callback(self):
+    def save(self, epoch: int, step: int = 0):
+        """Every rank calls it (gathering each rank's own state is a collective); rank 0 writes."""
+        ranks = gather_per_rank_state(self.model)
+        if runtime.world().is_chief:
+            self._write(epoch, step, ranks)
+
+    def _write(self, epoch: int, step: int, ranks):
         import tensorflow as tf
 
-        ckpts, cfg = self, self.cfg
-
-        class SaveCheckpoint(tf.keras.callbacks.Callback):
-            def on_epoch_end(self, epoch, logs=None):
-                done = epoch + 1
-                if done % cfg.checkpoint_every == 0 or done == cfg.epochs:
-                    ckpts.save(done)
-
-        return SaveCheckpoint()
-
-    @rank0_only
-    def save(self, epoch: int):
         self.epoch.assign(epoch)
-        path = self.manager.save(checkpoint_number=epoch)
-        tmp = os.path.join(self.cfg.checkpoint_dir, META + ".tmp")
+        self.step.assign(step)
+        self.ckpt.ranks = tf.Variable(ranks, trainable=False, name="ranks")
+        name = f"ckpt-{epoch}" + (f"-step-{step}" if step else "")
+        directory = self.cfg.checkpoint_dir
+        path = self.ckpt.write(os.path.join(directory, name))
+        state = tf.train.get_checkpoint_state(directory)
+        kept = [p for p in (state.all_model_checkpoint_paths if state else []) if p != path] + [path]
+        kept, dropped = kept[-self.cfg.keep_checkpoints:], kept[:-self.cfg.keep_checkpoints]
+        tf.compat.v1.train.update_checkpoint_state(directory, path, all_model_checkpoint_paths=kept)  # atomic
+        for old in dropped:
+            for f in tf.io.gfile.glob(old + ".*"):
+                tf.io.gfile.remove(f)
+        tmp = os.path.join(directory, META + ".tmp")
         with open(tmp, "w") as fh:
-            json.dump({"epoch": epoch, "checkpoint": os.path.basename(path),
+            json.dump({"epoch": epoch, "step": step, "checkpoint": os.path.basename(path),
                        "world_size": runtime.world().size, "config": self.cfg.to_dict()}, fh, indent=2)
-        os.replace(tmp, os.path.join(self.cfg.checkpoint_dir, META))
+        os.replace(tmp, os.path.join(directory, META))
         log.info("checkpoint %s", path)
+
+
+RANKS = "ranks/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def per_rank_variables(model) -> list:
+    """What each rank holds alone between epoch ends: non-trainable float variables (BatchNorm's
+    moving statistics), averaged over ranks only at the end of an epoch."""
+    return [v for v in model.non_trainable_variables if v.dtype.is_floating]
+
+
+def gather_per_rank_state(model):
+    """[ranks, values]: every rank's per_rank_variables, flattened, as float64 (exact for float32)."""
+    import tensorflow as tf
+
+    variables = per_rank_variables(model)
+    mine = np.concatenate([np.ravel(v.numpy()).astype(np.float64) for v in variables]) if variables \
+        else np.zeros(0)
+    if runtime.world().size == 1:
+        return mine[None]
+    import horovod.tensorflow as hvd
+
+    return hvd.allgather(tf.constant(mine[None]), name="hvdtrain.rank_state").numpy()
 
 
 def find(cfg: Config) -> str | None:

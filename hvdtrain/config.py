@@ -79,6 +79,10 @@ class Config:
                                            "default: the model's compile, else off")
     # checkpoints
     checkpoint_every: int = _f(1, "write a checkpoint every N epochs and at the end (0: never)")
+    checkpoint_every_steps: int = _f(1000, "also write one every N steps inside an epoch (0: never); a "
+                                           "resume continues at the next step, on the same data order")
+    checkpoint_every_minutes: Optional[float] = _f(None, "instead of --checkpoint-every-steps: about "
+                                                         "every M minutes (rank 0 times the steps)")
     keep_checkpoints: int = _f(3, "keep the last K checkpoints")
     resume: Optional[str] = _f(None, "resume from this checkpoint (a ckpt-N path or a checkpoint dir)")
     auto_resume: bool = _f(True, "resume from output_dir/checkpoints when it holds a checkpoint")
@@ -141,7 +145,9 @@ class Config:
             raise UserError(f"--threads must be >= 0, got {self.threads}")
         if any(d <= 0 for d in self.synthetic_shape):
             raise UserError(f"--synthetic-shape must be positive, got {list(self.synthetic_shape)}")
-        for name in ("checkpoint_every", "early_stopping_patience"):
+        if self.checkpoint_every_minutes is not None and not self.checkpoint_every_minutes > 0:
+            raise UserError(f"--checkpoint-every-minutes must be positive, got {self.checkpoint_every_minutes}")
+        for name in ("checkpoint_every", "checkpoint_every_steps", "early_stopping_patience"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         for name, allowed in (("compression", ("none", "fp16")), ("reduction", ("average", "adasum")),

@@ -17,6 +17,12 @@ Your pipeline, `--data module:function` or `hvdtrain.fit(model, data)`:
 Shuffling is seeded by (seed, epoch), identical on every rank, and done *before* element sharding:
 the union of the workers' batches at step k is then exactly the global batch one worker would see at
 batch_size x workers, and a run resumed at epoch k sees the same order as an uninterrupted one.
+
+A run resumed inside an epoch (a step checkpoint) starts that epoch at the next step, on the same
+order, without reading what came before and dropping it: arrays skip index batches; `tfrecord:`
+skips whole files, and inside a file the raw records up to the window it resumes in; a pipeline of
+yours skips below its maps and batches (raw records are read, not parsed). Records are shuffled in
+fixed windows (each a permutation drawn from (seed, epoch, window)), so a window can be rebuilt alone.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ from .config import BUILT_IN_VAL_SPLIT, DEFAULT_BATCH_SIZE, Config, UserError
 from .runtime import World
 
 SPLIT_SEED = 0  # the train/validation split does not move with --seed, so runs stay comparable
-SHUFFLE_BUFFER = 10_000
+WINDOW = 10_000  # records shuffled together (a shuffle buffer's worth; rebuilt alone on resume)
 
 
 @dataclass
@@ -49,16 +55,19 @@ class Data:
     num_classes: Optional[int] = None  # asked of the data for the built-in models only
     continuous: Optional["tf.data.Dataset"] = None  # a repeating or infinite pipeline, batched
     notes: list = field(default_factory=list)  # lines rank 0 logs once
+    unrepeatable: Optional[str] = None  # why an epoch's order cannot be reproduced (None: it can)
 
-    def stream(self, first_epoch: int, epochs: int):
-        """Epochs first_epoch..epochs-1 back to back, for model.fit(steps_per_epoch=...)."""
+    def stream(self, first_epoch: int, epochs: int, skip: int = 0):
+        """Epochs first_epoch..epochs-1 back to back, for model.fit(steps_per_epoch=...); the first one
+        without its first `skip` steps (a run resumed inside an epoch)."""
         import tensorflow as tf
 
         if self.epoch is None:  # Keras keeps one iterator across epochs when steps are given
             return self.continuous.prefetch(tf.data.AUTOTUNE)
-        return (tf.data.Dataset.range(first_epoch, epochs)
-                .flat_map(self.epoch)
-                .prefetch(tf.data.AUTOTUNE))
+        ds = tf.data.Dataset.range(first_epoch + (1 if skip else 0), epochs).flat_map(self.epoch)
+        if skip:
+            ds = self.epoch(first_epoch, skip).concatenate(ds)
+        return ds.prefetch(tf.data.AUTOTUNE)
 
     @property
     def input_shape(self):
@@ -256,12 +265,12 @@ def _from_arrays(cfg: Config, world: World, x, y, xv, yv) -> Data:
     xt, yt = tf.nest.map_structure(tf.constant, x), tf.nest.map_structure(tf.constant, y)
     take = steps * batch
 
-    def epoch(e):
+    def epoch(e, skip=0):
         idx = tf.data.Dataset.range(n)
         if cfg.shuffle:
             idx = idx.shuffle(n, seed=_epoch_seed(cfg.seed, e), reshuffle_each_iteration=False)
         return (idx.shard(world.size, world.rank).take(take)
-                .batch(batch, drop_remainder=True)
+                .batch(batch, drop_remainder=True).skip(skip)  # indices only: a resume reads no data
                 .map(lambda i: tf.nest.map_structure(lambda a: tf.gather(a, i), (xt, yt))))
 
     val = None
@@ -294,6 +303,27 @@ def _epoch_seed(seed, epoch):
     import tensorflow as tf
 
     return tf.cast(seed, tf.int64) * 1_000_003 + tf.cast(epoch, tf.int64)
+
+
+def _permutation(n, seed, salt):
+    """A permutation of range(n) drawn from (seed, salt): the same in a graph and eagerly."""
+    import tensorflow as tf
+
+    return tf.random.experimental.stateless_shuffle(
+        tf.range(tf.cast(n, tf.int64)), seed=tf.stack([tf.cast(seed, tf.int64), tf.cast(salt, tf.int64)]))
+
+
+def _window_shuffle(ds, seed, first_window: int = 0):
+    """Shuffle within consecutive windows of WINDOW elements, window i by the permutation of (seed, i):
+    a run resumed inside an epoch rebuilds its window alone, where a shuffle buffer would need every
+    element before it."""
+    import tensorflow as tf
+
+    def shuffle(i, window):
+        order = _permutation(tf.shape(tf.nest.flatten(window)[0])[0], seed, i)
+        return tf.nest.map_structure(lambda t: tf.gather(t, order), window)
+
+    return ds.batch(WINDOW).enumerate(first_window).map(shuffle).unbatch()
 
 
 def _agree_steps(cfg: Config, world: World, shard_sizes: list, batch: int, total: int, unit="samples"):
@@ -356,23 +386,36 @@ def _parse_fn(shape):
     return parse
 
 
-def _scan(files, take_shard=None):
-    """Count records and find the largest label: one pass over the files this worker reads."""
+def _scan(files):
+    """Records per file and the largest label: one pass over the files, labels parsed, nothing else."""
     import tensorflow as tf
 
-    ds = tf.data.TFRecordDataset(files)
-    if take_shard:
-        ds = ds.shard(*take_shard)
     spec = {"y": tf.io.FixedLenFeature([], tf.int64)}
-    ds = ds.map(lambda r: tf.io.parse_single_example(r, spec)["y"]).batch(4096)
-    count, top = 0, -1
+    ds = tf.data.Dataset.from_tensor_slices((tf.range(len(files), dtype=tf.int64), files)).interleave(
+        lambda i, f: tf.data.TFRecordDataset(f).map(lambda r: (i, tf.io.parse_single_example(r, spec)["y"])),
+        cycle_length=4, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False).batch(4096)
+    counts, top = np.zeros(len(files), np.int64), -1
     try:
-        for labels in ds:
-            count += int(labels.shape[0])
+        for index, labels in ds:
+            counts += np.bincount(index.numpy(), minlength=len(files))
             top = max(top, int(tf.reduce_max(labels)))
     except tf.errors.OpError as e:
         raise UserError(f"cannot read TFRecords ({e.message.splitlines()[0]})") from None
-    return count, top
+    return counts, top
+
+
+def _records_from(names, counts, start: int):
+    """The records of `names` read in order, from record `start` on: whole files before it are not
+    opened, and only the file it falls in is read up to it (raw, unparsed)."""
+    import tensorflow as tf
+
+    ends = np.cumsum(counts)
+    first = int(np.searchsorted(ends, start, side="right"))
+    if first >= len(names):
+        return tf.data.TFRecordDataset(names[:0])
+    within = start - (int(ends[first - 1]) if first else 0)
+    return tf.data.TFRecordDataset(names[first:first + 1]).skip(within).concatenate(
+        tf.data.TFRecordDataset(names[first + 1:]))
 
 
 def _from_tfrecords(cfg: Config, world: World, pattern: str) -> Data:
@@ -383,8 +426,9 @@ def _from_tfrecords(cfg: Config, world: World, pattern: str) -> Data:
         raise UserError(f"--data tfrecord:{pattern}: no files match")
     batch = cfg.batch_size or DEFAULT_BATCH_SIZE
     by_file = len(files) >= world.size
-    mine = files[world.rank::world.size] if by_file else files
-    count, top = _scan(mine, None if by_file else (world.size, world.rank))
+    mine = files[world.rank::world.size] if by_file else files  # fewer files than workers: all, by element
+    counts, top = _scan(mine)
+    count = int(counts.sum()) if by_file else _shard_size(int(counts.sum()), world)
     counts_tops = runtime.gather((count, top))
     total = sum(c for c, _ in counts_tops)  # shards are disjoint either way
     steps, notes = _agree_steps(cfg, world, [c for c, _ in counts_tops], batch, total)
@@ -394,20 +438,30 @@ def _from_tfrecords(cfg: Config, world: World, pattern: str) -> Data:
         first, {"x": tf.io.FixedLenFeature([], tf.string)})["x"], tf.float32).shape)
     parse = _parse_fn(shape)
     take = steps * batch
+    stride = 1 if by_file else world.size  # records of all files per record of mine
 
-    def epoch(e):
-        names = tf.data.Dataset.from_tensor_slices(mine)
-        if cfg.shuffle:
-            names = names.shuffle(len(mine), seed=_epoch_seed(cfg.seed, e), reshuffle_each_iteration=False)
-        ds = names.interleave(tf.data.TFRecordDataset, cycle_length=min(4, len(mine)),
-                              num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    def file_order(e):
+        if not cfg.shuffle:
+            return tf.range(len(mine), dtype=tf.int64)
+        return _permutation(len(mine), _epoch_seed(cfg.seed, e), -1)
+
+    def epoch(e, skip=0):
+        """My files in this epoch's order, read one after another; the records shuffled in windows;
+        parsed last, so that what a resume skips is never parsed."""
+        order = file_order(e)
+        names = tf.gather(tf.constant(mine), order)
+        window, start = divmod(skip * batch, WINDOW)  # resume in this window of my records, at this place
+        if skip:
+            records = _records_from(names.numpy(), counts[order.numpy()], window * WINDOW * stride)
+        else:
+            records = tf.data.TFRecordDataset(names)
         if not by_file:
-            ds = ds.shard(world.size, world.rank)
-        ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+            records = records.shard(world.size, world.rank)
         if cfg.shuffle:
-            ds = ds.shuffle(min(SHUFFLE_BUFFER, take), seed=_epoch_seed(cfg.seed, e) + 1,
-                            reshuffle_each_iteration=False)
-        return ds.take(take).batch(batch, drop_remainder=True)
+            records = _window_shuffle(records, _epoch_seed(cfg.seed, e), window)
+        return (records.take(take - window * WINDOW).skip(start)
+                .map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+                .batch(batch, drop_remainder=True))
 
     return Data(epoch, None, steps, batch, epoch(0).element_spec, total, "file" if by_file else "element",
                 classes, notes=notes)
@@ -668,17 +722,110 @@ def _from_pipeline(cfg: Config, world: World, name: str, train, val, user_shards
     classes = _classes(need_classes, mine, batched, name)
     take = steps if batched else steps * batch
 
-    def epoch(e):
-        ds = pre
-        if cfg.shuffle and not batched:
-            ds = ds.shuffle(min(SHUFFLE_BUFFER, max(1, sum(sizes))), seed=_epoch_seed(cfg.seed, e),
-                            reshuffle_each_iteration=False)
-        ds = post(ds).take(take)
-        return ds if batched else ds.batch(batch, drop_remainder=True)
+    # A resume at step k: element (and batch) sharding shuffles and shards after the pipeline, so the
+    # pipeline is then `stride` times further on than my shard
+    stride = world.size if how in ("element", "batch") else 1
+
+    def resumed(count):
+        """`pre`, `count` elements on (by file: counted in this worker's files)."""
+        if how == "file":
+            return _auto_sharded(skip_cheaply(train, count), world) if count else pre
+        return skip_cheaply(pre, count)
+
+    def epoch(e, skip=0):
+        if batched:
+            return post(resumed(skip * stride)).take(take - skip)
+        if cfg.shuffle:
+            window, start = divmod(skip * batch * stride, WINDOW)
+            ds = _window_shuffle(resumed(window * WINDOW), _epoch_seed(cfg.seed, e), window).skip(start)
+        else:
+            ds = resumed(skip * batch * stride)
+        return post(ds).take(take - skip * batch).batch(batch, drop_remainder=True)
 
     total = None if batched else sum(sizes)
     return Data(epoch, val, steps, batch, epoch(0).element_spec, total, how, classes,
-                notes=notes + more)
+                notes=notes + more, unrepeatable=unrepeatable(train))
+
+
+def _auto_sharded(ds, world: World):
+    """ds sharded by file, as shard() did it: TensorFlow's FILE rewrite puts the shard in front of
+    the reader, so a skip inserted above the reader skips records of this worker's files."""
+    import tensorflow as tf
+    from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
+
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+    return _AutoShardDataset(ds.with_options(options), world.size, world.rank)
+
+
+_REBUILT = {"_MapDataset", "_ParallelMapDataset", "_PrefetchDataset", "_BatchDataset"}
+
+
+def skip_cheaply(ds, n: int):
+    """ds.skip(n), with the skip moved below the pipeline's own maps and batches (rebuilt above it
+    from their traced functions): what is skipped is read, but not parsed or decoded."""
+    import tensorflow as tf
+
+    if not n:
+        return ds
+    stages, below, count = [], ds, n
+    while type(below).__name__ in _REBUILT:
+        stages.append(below)
+        if type(below).__name__ == "_BatchDataset":  # every batch before the resume point is full
+            count *= int(below._batch_size)
+        below = below._input_dataset
+    try:
+        out = below.skip(count)
+        for stage in reversed(stages):
+            out = _again(stage, out)
+        if out.element_spec != ds.element_spec:
+            raise ValueError(f"{out.element_spec} != {ds.element_spec}")
+        return out
+    except Exception as e:  # a stage tf.data does not let us rebuild: skip the slow way
+        runtime.log.info("resuming inside an epoch: skipping %d elements of the pipeline by reading "
+                         "them (%s: %s)", n, type(e).__name__, str(e)[:200])
+        return ds.skip(n)
+
+
+def _again(stage, ds):
+    """One stage of a pipeline (map, batch, prefetch) applied again, to another input."""
+    import tensorflow as tf
+    from tensorflow.python.data.util import structure
+
+    name = type(stage).__name__
+    if name == "_PrefetchDataset":
+        return ds.prefetch(tf.data.AUTOTUNE)
+    if name == "_BatchDataset":
+        return ds.batch(stage._batch_size, drop_remainder=stage._drop_remainder)
+    wrapper = stage._map_func
+
+    def apply(*args):
+        flat = structure.to_tensor_list(wrapper.input_structure, args if len(args) > 1 else args[0])
+        return structure.from_compatible_tensor_list(wrapper.output_structure, wrapper.function(*flat))
+    parallel = tf.data.AUTOTUNE if name == "_ParallelMapDataset" else None
+    return ds.map(apply, num_parallel_calls=parallel, deterministic=True if parallel else None)
+
+
+def unrepeatable(ds) -> Optional[str]:
+    """Why the order of a pipeline cannot be reproduced by a fresh process (None: it can)."""
+    seen, todo = set(), [ds]
+    if ds.options().deterministic is False:
+        return "its options say deterministic=False"
+    while todo:
+        d = todo.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        name = type(d).__name__
+        if name == "_ShuffleDataset" and getattr(d, "_reshuffle_each_iteration", True):
+            return "it reshuffles every epoch (shuffle(..., reshuffle_each_iteration=True), the default)"
+        if getattr(d, "_deterministic", None) == "false":
+            return f"it runs {name.strip('_')} with deterministic=False"
+        try:
+            todo.extend(d._inputs())
+        except Exception:
+            pass
+    return None
 
 
 def _classes(need: bool, ds, batched: bool, name: str) -> Optional[int]:

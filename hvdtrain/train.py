@@ -120,11 +120,11 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
     try:
         if elastic:
             (history, epoch_end), data, rounds = fit_elastic(cfg, model, shard, ckpts, trainer)
-            first_epoch = rounds[0]["from_epoch"]
+            first_epoch, first_step = rounds[0]["from_epoch"], rounds[0]["from_step"]
         else:
-            first_epoch, rounds = ckpts.restore_and_broadcast(), []
+            (first_epoch, first_step), rounds = ckpts.restore_and_broadcast(), []
             _say_how_it_resumes(cfg, ckpts, world)
-            history, epoch_end = fit_fixed(cfg, model, data, world, ckpts, first_epoch, trainer)
+            history, epoch_end = fit_fixed(cfg, model, data, world, ckpts, first_epoch, trainer, first_step)
     except optimizer.NonFiniteUpdate as e:
         raise UserError(str(e)) from None
 
@@ -135,6 +135,7 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
         "hosts": sorted(set(runtime.gather(host))),
         "epochs": cfg.epochs,
         "first_epoch": first_epoch,
+        "first_step": first_step,
         "epochs_run": len(history.epoch),
         "last_epoch": first_epoch + len(history.epoch),
         "steps_per_epoch": data.steps_per_epoch,
@@ -266,7 +267,7 @@ def _warn_if_stall_check_is_blind(cfg: Config, world: runtime.World):
 
 # ---------------------------------------------------------------- fit
 
-def keras_callbacks(cfg: Config, data: data_lib.Data, world: runtime.World, ckpts, epoch_end, progress,
+def keras_callbacks(cfg: Config, data: data_lib.Data, world: runtime.World, saver, epoch_end, progress,
                     extra=()):
     """hvdtrain's agreement at epoch end first: every callback after it (early stopping, best model,
     TensorBoard, checkpoints, progress) sees metrics combined over all workers, so every rank takes
@@ -284,37 +285,52 @@ def keras_callbacks(cfg: Config, data: data_lib.Data, world: runtime.World, ckpt
     if world.is_chief and cfg.tensorboard:
         cbs.append(tf.keras.callbacks.TensorBoard(os.path.join(cfg.run_dir, "tensorboard"),
                                                   profile_batch=0))
-    if cfg.checkpoint_every:
-        cbs.append(ckpts.callback())
+    if saver is not None:
+        cbs.append(saver)
     if progress is not None:
         cbs.append(progress)
     return cbs
 
 
 def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch: int,
-                 trainer: Trainer, extra_callbacks=()):
-    """model.fit over this worker's shard from first_epoch; returns (history, the EpochEnd callback)."""
+                 trainer: Trainer, extra_callbacks=(), first_step: int = 0):
+    """model.fit over this worker's shard from step `first_step` of epoch first_epoch + 1; returns
+    (history, the EpochEnd callback). A resume inside an epoch fits the rest of that epoch first."""
     if cfg.monitor.startswith("val_") and data.val is None and cfg.early_stopping_patience:
         raise UserError(f"--early-stopping-patience watches {cfg.monitor}, but there is no validation "
                         f"data: return (train, val) from the data function, or give --val-split")
+    if first_step and (data.unrepeatable or data.epoch is None or first_step >= data.steps_per_epoch):
+        why = data.unrepeatable or ("it is one stream across epochs" if data.epoch is None else
+                                    f"the epoch now has {data.steps_per_epoch} steps")
+        log.info("resuming inside epoch %d: %s cannot continue at step %d, because %s; the epoch "
+                 "restarts from its first step", first_epoch + 1, cfg.data, first_step + 1, why)
+        first_step = 0
     sharded = {"yours": "sharded by the data function", "none": "one worker: not sharded"}.get(
         data.sharding, f"sharded by {data.sharding}")
-    log.info("%s on %s%s, %s: %d steps/epoch of %d per worker, %d workers, epochs %d..%d", model.name,
+    log.info("%s on %s%s, %s: %d steps/epoch of %d per worker, %d workers, epochs %d..%d%s", model.name,
              cfg.data, f" ({data.num_samples} samples)" if data.num_samples else "", sharded,
-             data.steps_per_epoch, data.batch_size, world.size, first_epoch + 1, cfg.epochs)
+             data.steps_per_epoch, data.batch_size, world.size, first_epoch + 1, cfg.epochs,
+             f" (from step {first_step + 1})" if first_step else "")
     import tensorflow as tf
 
     epoch_end, progress = callbacks_lib.make(cfg, data, world.size, world.is_chief)
-    iteration = int(model.optimizer.iterations.numpy())
+    saver = callbacks_lib.checkpoints(cfg, ckpts, data.steps_per_epoch, first_epoch, first_step)
+    callbacks = keras_callbacks(cfg, data, world, saver, epoch_end, progress, extra_callbacks)
+    iteration = int(model.optimizer.iterations.numpy()) - first_step  # at the start of first_epoch
     if trainer.learning_rate is not None:
         trainer.learning_rate.start(optimizer.lr_multiplier(cfg, world), first_epoch, iteration,
                                     data.steps_per_epoch)
+    parts = []
     try:
-        history = model.fit(data.stream(first_epoch, cfg.epochs), epochs=cfg.epochs,
-                            initial_epoch=first_epoch, steps_per_epoch=data.steps_per_epoch,
-                            callbacks=keras_callbacks(cfg, data, world, ckpts, epoch_end, progress,
-                                                      extra_callbacks),
-                            verbose=0)
+        if first_step:  # the rest of a resumed epoch: Keras' epochs all have steps_per_epoch steps
+            parts.append(model.fit(data.stream(first_epoch, first_epoch + 1, skip=first_step),
+                                   epochs=first_epoch + 1, initial_epoch=first_epoch,
+                                   steps_per_epoch=data.steps_per_epoch - first_step,
+                                   callbacks=callbacks, verbose=0))
+        start = first_epoch + len(parts)
+        if start < cfg.epochs and not (parts and model.stop_training):
+            parts.append(model.fit(data.stream(start, cfg.epochs), epochs=cfg.epochs, initial_epoch=start,
+                                   steps_per_epoch=data.steps_per_epoch, callbacks=callbacks, verbose=0))
     except tf.errors.InvalidArgumentError as e:
         step = optimizer.NonFiniteUpdate.step_of(e)
         if step is None:
@@ -325,16 +341,22 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
     finally:
         if progress is not None:
             progress.stop.set()
+    history = parts[0]
+    for later in parts[1:]:
+        history.epoch += later.epoch
+        for k, v in later.history.items():
+            history.history.setdefault(k, []).extend(v)
     return history, epoch_end
 
 
-def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch: int, trainer: Trainer):
+def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch: int, trainer: Trainer,
+              first_step: int = 0):
     """A fixed set of workers. If a step fails, its rank names the cause in one line; if a worker
     dies, the survivors name every worker so the dead one can be found."""
     workers = runtime.gather((socket.gethostname(), os.getpid()))
-    iteration = int(model.optimizer.iterations.numpy())
+    iteration = int(model.optimizer.iterations.numpy()) - first_step
     try:
-        return fit_on_shard(cfg, model, data, world, ckpts, first_epoch, trainer)
+        return fit_on_shard(cfg, model, data, world, ckpts, first_epoch, trainer, first_step=first_step)
     except (optimizer.NonFiniteUpdate, UserError, KeyboardInterrupt):
         raise
     except Exception as e:
@@ -419,7 +441,10 @@ def fit_elastic(cfg: Config, model, shard, ckpts, trainer: Trainer):
     from horovod.common.exceptions import HorovodInternalError
 
     ckpts.restore_on_rank0()  # the first sync hands rank 0's model, optimizer and epoch to everyone
-    state = hvd.elastic.KerasState(model, epoch=int(ckpts.epoch.numpy()), batch=0)
+    saved = (ckpts.resumed_from or {}).get("world_size")
+    # a step checkpoint's position (and per-rank state) holds for the number of workers that wrote it
+    state = hvd.elastic.KerasState(model, epoch=int(ckpts.epoch.numpy()), batch=int(ckpts.step.numpy()),
+                                   batch_world=saved or 0, ranks=ckpts.ranks)
     rounds, data, sharded_for = [], None, None
 
     @hvd.elastic.run
@@ -431,18 +456,24 @@ def fit_elastic(cfg: Config, model, shard, ckpts, trainer: Trainer):
             for note in data.notes:
                 log.info(note)
         lr = trainer.peak_lr(world)
-        rounds.append({"world_size": world.size, "from_epoch": int(state.epoch), "lr": lr})
+        first_step = int(state.batch) if state.batch_world == world.size else 0
+        if first_step and not rounds:
+            ckpts.ranks = state.ranks
+            ckpts.take_own_state()
+        state.batch = 0  # a later round (another world) restarts its epoch
+        rounds.append({"world_size": world.size, "from_epoch": int(state.epoch), "from_step": first_step,
+                       "lr": lr})
         log.info("elastic round %d: %d workers from epoch %d, lr %s", len(rounds), world.size,
                  state.epoch + 1, f"{lr:g}" if lr is not None else "(schedule)")
         keep_state = [
-            hvd.elastic.UpdateBatchStateCallback(state),
             # Horovod's UpdateEpochStateCallback counts from a fit() that starts at epoch 0; ours passes
             # initial_epoch so schedules and checkpoints see the true epoch, so the epoch is stored as is.
             tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(state, "epoch", epoch + 1)),
             hvd.elastic.CommitStateCallback(state, batches_per_commit=cfg.commit_every),
         ]
         try:
-            return fit_on_shard(cfg, model, data, world, ckpts, int(state.epoch), trainer, keep_state)
+            return fit_on_shard(cfg, model, data, world, ckpts, int(state.epoch), trainer, keep_state,
+                                first_step)
         except tf.errors.OpError as e:
             # hvd.elastic.run rolls back on errors of the ops it names (HorovodAllreduce, ...) and
             # returns None on any other: a lost peer seen by a grouped allreduce must roll back too

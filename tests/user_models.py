@@ -166,3 +166,33 @@ def multi_label():
     model.compile(optimizer=keras.optimizers.Adam(2e-3), loss="binary_crossentropy",
                   metrics=[keras.metrics.BinaryAccuracy(name="bin_acc")])
     return model
+
+
+class Counted(keras.Model):
+    """Records what it trains on: after each step, (step, sample ids) go to $COUNT_DIR/rank<R>.txt,
+    a sample's id being x[:, 0] * 1024. After step $KILL_AT, rank $KILL_RANK kills itself (kill -9)."""
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        tf.py_function(_record, [self.optimizer.iterations, data[0][:, 0]], [])
+        return logs
+
+
+def _record(step, ids):
+    import os
+    import signal
+
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "0")))
+    with open(os.path.join(os.environ["COUNT_DIR"], f"rank{rank}.txt"), "a") as fh:
+        fh.write(f"{int(step)} {' '.join(str(int(round(float(i) * 1024))) for i in ids.numpy())}\n")
+    if int(step) == int(os.environ.get("KILL_AT", -1)) and rank == int(os.environ.get("KILL_RANK", 1)):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def counted(input_shape, num_classes):
+    """An MLP with BatchNormalization (state each rank holds alone within an epoch), not compiled."""
+    inputs = keras.Input(input_shape)
+    x = layers.Dense(32)(inputs)
+    x = layers.BatchNormalization()(x)
+    x = layers.ReLU()(x)
+    return Counted(inputs, layers.Dense(num_classes)(x), name="counted")

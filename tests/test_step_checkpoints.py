@@ -1,0 +1,117 @@
+"""Checkpoints inside an epoch: a worker killed (kill -9) at a step, the job relaunched with the same
+command, resumes at the next step of the same epoch on the same data order, and ends with the
+weights of an uninterrupted run, bit for bit; a counter in the model shows that, of the steps that
+count, no sample was trained on twice and none was skipped. Arrays, `tfrecord:` and a user's
+pipeline; horovodrun and mpirun; a kill at the first step of an epoch, at the last, and between."""
+import collections
+import json
+import random
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, command, job_env, train
+
+N, BATCH, WORKERS, EPOCHS, EVERY = 384, 8, 2, 3, 5
+STEPS = N // (BATCH * WORKERS)  # 24 per epoch, nothing left out
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """The same 384 samples as npz arrays and as 4 TFRecord files; x[:, 0] is the sample's id / 1024."""
+    from hvdtrain.data import write_tfrecords
+
+    d = tmp_path_factory.mktemp("ids")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((N, 9)).astype(np.float32)
+    x[:, 0] = np.arange(N) / 1024
+    y = (x[:, 1] > 0).astype(np.int64) + 2 * (x[:, 2] > 0)
+    np.savez(d / "ids.npz", x=x, y=y)
+    write_tfrecords(x, y, str(d / "ids"), 4)
+    return {"arrays": ("npz:" + str(d / "ids.npz"), {}),
+            "tfrecord": (f"tfrecord:{d}/ids-*.tfrecord", {}),
+            "pipeline": ("user_data:id_records", {"ID_RECORDS": f"{d}/ids-*.tfrecord"})}
+
+
+def _flags(data):
+    return ("--model", "user_models:counted", "--data", data, "--epochs", str(EPOCHS), "--batch-size",
+            str(BATCH), "--val-split", "0", "--optimizer", "momentum", "--lr", "0.05", "--lr-schedule",
+            "cosine", "--checkpoint-every-steps", str(EVERY), "--keep-checkpoints", "2", "--no-save-model")
+
+
+def _run(launcher, out, data, env, kill_at=None, counts="counts"):
+    counts = out / counts
+    counts.mkdir(parents=True, exist_ok=True)
+    env = {**env, "COUNT_DIR": str(counts), **({"KILL_AT": str(kill_at), "KILL_RANK": "1"} if kill_at else {})}
+    argv = ["-m", "hvdtrain", "--output-dir", str(out), "--verbose", "0", "--no-tensorboard", *_flags(data)]
+    return subprocess.run(command(WORKERS, launcher, argv), cwd=ROOT, env=job_env(env), timeout=300,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _trained(counts, upto=None):
+    """{step: ids of every rank} from the counter files, up to step `upto`."""
+    steps = collections.defaultdict(list)
+    for f in counts.glob("rank*.txt"):
+        for line in f.read_text().splitlines():
+            step, *ids = map(int, line.split())
+            if upto is None or step <= upto:
+                steps[step] += ids
+    return steps
+
+
+def _saves():
+    """The steps after which checkpoints are written: every epoch's end, and EVERY steps after the last."""
+    saves, due = [], EVERY
+    for step in range(1, EPOCHS * STEPS + 1):
+        if step % STEPS == 0 or step >= due:
+            saves.append(step)
+            due = step + EVERY
+    return saves
+
+
+def _once_per_epoch(steps):
+    for epoch in range(EPOCHS):
+        ids = [i for s in range(epoch * STEPS + 1, (epoch + 1) * STEPS + 1) for i in steps[s]]
+        assert sorted(ids) == list(range(N)), f"epoch {epoch + 1}: {len(ids)} ids, {len(set(ids))} distinct"
+
+
+@pytest.fixture(scope="module")
+def straight(sources, tmp_path_factory):
+    """One uninterrupted run per source (horovodrun), to compare with."""
+    runs = {}
+    for name, (data, env) in sources.items():
+        out = tmp_path_factory.mktemp(f"straight-{name}")
+        proc = _run("gloo", out, data, env)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        runs[name] = (json.loads((out / "summary.json").read_text()), _trained(out / "counts"))
+        _once_per_epoch(runs[name][1])
+    return runs
+
+
+@pytest.mark.parametrize("source, launcher, kill_at", [
+    ("arrays", "gloo", STEPS + 1),                   # the first step of epoch 2
+    ("tfrecord", "mpirun", 2 * STEPS),               # the last step of epoch 2
+    ("pipeline", "gloo", random.Random(7).randint(STEPS + 2, 2 * STEPS - 1)),  # between
+    ("arrays", "mpirun", random.Random(8).randint(2, STEPS - 1)),              # between, epoch 1
+], ids=["arrays-horovodrun-first-step", "tfrecord-mpirun-last-step", "pipeline-horovodrun-mid-epoch",
+        "arrays-mpirun-mid-epoch"])
+def test_worker_killed_inside_an_epoch_resumes_at_the_next_step_and_ends_bit_identical(
+        source, launcher, kill_at, sources, straight, tmp_path):
+    data, env = sources[source]
+    killed = _run(launcher, tmp_path, data, env, kill_at=kill_at, counts="killed")
+    assert killed.returncode != 0, "the worker should have been killed"
+    resumed = _run(launcher, tmp_path, data, env, counts="resumed")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    start = summary["first_epoch"] * STEPS + summary["first_step"]
+    assert start == max(s for s in _saves() if s < kill_at), "resumed from the last checkpoint before the kill"
+    assert summary["weights_sha256_by_rank"] == straight[source][0]["weights_sha256_by_rank"]
+    # the steps that count: the killed run's up to the checkpoint, then the resumed run's
+    counted = _trained(tmp_path / "killed", upto=start)
+    assert max(_trained(tmp_path / "killed")) >= kill_at
+    later = _trained(tmp_path / "resumed")
+    assert min(later) == start + 1
+    counted.update(later)
+    _once_per_epoch(counted)
+    assert counted == straight[source][1], "the same samples at the same steps as the uninterrupted run"

@@ -1,7 +1,7 @@
 """Checkpoints that survive a crash and put every worker back in the same state.
 
 Rank 0 alone writes: the data files of a checkpoint first, then the `checkpoint` index, replaced
-atomically (tf.train.update_checkpoint_state), so a crash mid-write leaves the previous checkpoint as
+atomically (TensorFlow's update_checkpoint_state), so a crash mid-write leaves the previous checkpoint as
 the latest; the last K are kept. `ckpt-E` is written at the end of epoch E; `ckpt-E-step-S` after S
 steps of epoch E+1 (--checkpoint-every-steps/-minutes), with what each rank holds alone (BatchNorm's
 moving statistics, averaged only at epoch ends) so that a resume inside an epoch continues bit for bit.
@@ -141,7 +141,10 @@ class Checkpoints:
             self._write(epoch, step, ranks)
 
     def _write(self, epoch: int, step: int, ranks):
+        """CheckpointManager's steps (write the files, then the index atomically, then drop the oldest)
+        under our names: it numbers checkpoints, and a step checkpoint needs epoch and step."""
         import tensorflow as tf
+        from tensorflow.python.checkpoint.checkpoint_management import update_checkpoint_state_internal
 
         self.epoch.assign(epoch)
         self.step.assign(step)
@@ -152,7 +155,8 @@ class Checkpoints:
         state = tf.train.get_checkpoint_state(directory)
         kept = [p for p in (state.all_model_checkpoint_paths if state else []) if p != path] + [path]
         kept, dropped = kept[-self.cfg.keep_checkpoints:], kept[:-self.cfg.keep_checkpoints]
-        tf.compat.v1.train.update_checkpoint_state(directory, path, all_model_checkpoint_paths=kept)  # atomic
+        update_checkpoint_state_internal(directory, path, all_model_checkpoint_paths=kept,  # atomic
+                                         save_relative_paths=True)
         for old in dropped:
             for f in tf.io.gfile.glob(old + ".*"):
                 tf.io.gfile.remove(f)

@@ -571,12 +571,13 @@ _SHARDABLE_READERS = {"TFRecordDataset", "TextLineDataset", "FixedLengthRecordDa
 _READERS = _SHARDABLE_READERS | {"CSVDataset", "SqlDataset"}
 
 
-def _file_readers(ds) -> set:
-    """The file readers in a pipeline's graph, including those inside interleave/flat_map functions."""
+def _file_readers(ds, names=_READERS) -> set:
+    """The file readers (or other datasets of `names`) in a pipeline's graph, including those inside
+    interleave/flat_map functions."""
     import re
 
     graph = ds._as_serialized_graph().numpy()
-    return {name for name in _READERS if re.search(rb"(?<![A-Za-z])" + name.encode() + rb"(V\d)?(?![A-Za-z])", graph)}
+    return {name for name in names if re.search(rb"(?<![A-Za-z])" + name.encode() + rb"(V\d)?(?![A-Za-z])", graph)}
 
 
 def _under_the_maps(ds):
@@ -605,7 +606,8 @@ def shard(ds, rank: int, workers: int):
     if policy == tf.data.experimental.AutoShardPolicy.DATA:
         return (*by_element, None)
     reads = _file_readers(ds)
-    if not reads & _SHARDABLE_READERS:  # asked anyway, TensorFlow's rewrite logs a 100-line error first
+    # asked anyway, TensorFlow's rewrite logs a 100-line error before it gives up
+    if not reads & _SHARDABLE_READERS:
         why = (f"its reader ({', '.join(sorted(reads))}) cannot be sharded by file by TensorFlow: sharded "
                f"by element instead, so every worker reads every file") if reads else None
         return (*by_element, why)
@@ -818,7 +820,9 @@ def unrepeatable(ds) -> Optional[str]:
         seen.add(id(d))
         name = type(d).__name__
         if name == "_ShuffleDataset" and getattr(d, "_reshuffle_each_iteration", True):
-            return "it reshuffles every epoch (shuffle(..., reshuffle_each_iteration=True), the default)"
+            return ("it reshuffles every epoch (shuffle(..., reshuffle_each_iteration=True), the default; "
+                    "give reshuffle_each_iteration=False, or return it unshuffled and unbatched: hvdtrain then "
+                    "shuffles it, the same way in every run)")
         if getattr(d, "_deterministic", None) == "false":
             return f"it runs {name.strip('_')} with deterministic=False"
         try:

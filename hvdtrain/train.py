@@ -123,7 +123,8 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
             first_epoch, first_step = rounds[0]["from_epoch"], rounds[0]["from_step"]
         else:
             (first_epoch, first_step), rounds = ckpts.restore_and_broadcast(), []
-            _say_how_it_resumes(cfg, ckpts, world)
+            _say_how_it_resumes(cfg, ckpts, world, model)
+            first_step = replayable_step(cfg, data, first_epoch, first_step)
             history, epoch_end = fit_fixed(cfg, model, data, world, ckpts, first_epoch, trainer, first_step)
     except optimizer.NonFiniteUpdate as e:
         raise UserError(str(e)) from None
@@ -247,11 +248,18 @@ def _keep_previous_run(cfg: Config, keep=(), why="starting afresh"):
                 f"moved to {where}")
 
 
-def _say_how_it_resumes(cfg: Config, ckpts: Checkpoints, world: runtime.World):
-    before = (ckpts.resumed_from or {}).get("world_size")
+def _say_how_it_resumes(cfg: Config, ckpts: Checkpoints, world: runtime.World, model):
+    if ckpts.resumed_from is None:
+        return
+    before = ckpts.resumed_from.get("world_size")
     if before and before != world.size:
         log.info("resuming a run of %d workers with %d: the learning rate is scaled for %d workers",
                  before, world.size, world.size)
+    random = sorted({layer.name for layer in model.submodules if hasattr(layer, "_random_generator")})
+    if random:  # Keras' random layers keep their generator's state in kernels, not in the checkpoint
+        log.info("resuming: %s draw%s new random numbers after a restart, so the weights will differ from "
+                 "an uninterrupted run's", ", ".join(random[:3]),
+                 "" if len(random) > 1 else "s")
 
 
 def _warn_if_stall_check_is_blind(cfg: Config, world: runtime.World):
@@ -299,12 +307,6 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
     if cfg.monitor.startswith("val_") and data.val is None and cfg.early_stopping_patience:
         raise UserError(f"--early-stopping-patience watches {cfg.monitor}, but there is no validation "
                         f"data: return (train, val) from the data function, or give --val-split")
-    if first_step and (data.unrepeatable or data.epoch is None or first_step >= data.steps_per_epoch):
-        why = data.unrepeatable or ("it is one stream across epochs" if data.epoch is None else
-                                    f"the epoch now has {data.steps_per_epoch} steps")
-        log.info("resuming inside epoch %d: %s cannot continue at step %d, because %s; the epoch "
-                 "restarts from its first step", first_epoch + 1, cfg.data, first_step + 1, why)
-        first_step = 0
     sharded = {"yours": "sharded by the data function", "none": "one worker: not sharded"}.get(
         data.sharding, f"sharded by {data.sharding}")
     log.info("%s on %s%s, %s: %d steps/epoch of %d per worker, %d workers, epochs %d..%d%s", model.name,
@@ -347,6 +349,18 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
         for k, v in later.history.items():
             history.history.setdefault(k, []).extend(v)
     return history, epoch_end
+
+
+def replayable_step(cfg: Config, data, first_epoch: int, first_step: int) -> int:
+    """The step a resume inside an epoch continues at: first_step, or 0 (the epoch restarts, and the
+    log says why) when the data cannot give that epoch's order again from there."""
+    if first_step and (data.unrepeatable or data.epoch is None or first_step >= data.steps_per_epoch):
+        why = data.unrepeatable or ("it is one stream across epochs" if data.epoch is None else
+                                    f"the epoch now has {data.steps_per_epoch} steps")
+        log.info("resuming inside epoch %d: %s cannot continue at step %d, because %s; the epoch "
+                 "restarts from its first step", first_epoch + 1, cfg.data, first_step + 1, why)
+        return 0
+    return first_step
 
 
 def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch: int, trainer: Trainer,
@@ -456,7 +470,8 @@ def fit_elastic(cfg: Config, model, shard, ckpts, trainer: Trainer):
             for note in data.notes:
                 log.info(note)
         lr = trainer.peak_lr(world)
-        first_step = int(state.batch) if state.batch_world == world.size else 0
+        first_step = replayable_step(cfg, data, int(state.epoch),
+                                     int(state.batch) if state.batch_world == world.size else 0)
         if first_step and not rounds:
             ckpts.ranks = state.ranks
             ckpts.take_own_state()

@@ -115,3 +115,20 @@ def test_worker_killed_inside_an_epoch_resumes_at_the_next_step_and_ends_bit_ide
     counted.update(later)
     _once_per_epoch(counted)
     assert counted == straight[source][1], "the same samples at the same steps as the uninterrupted run"
+
+
+def test_a_resume_that_cannot_be_replayed_says_why_and_what_to_change(tmp_path):
+    """A keras-io pipeline (.shuffle().batch(), reshuffled every epoch) and a model with Dropout: the
+    resumed epoch restarts, and the log names both causes and the remedy."""
+    flags = ("--model", "user_models:dropout_mlp", "--data", "user_data:digits_batched", "--epochs", "1",
+             "--checkpoint-every-steps", "5", "--keep-checkpoints", "10")
+    train(1, None, tmp_path / "a", *flags)
+    proc = subprocess.run(command(1, None, ["-m", "hvdtrain", "--output-dir", str(tmp_path / "b"), *flags,
+                                            "--resume", str(tmp_path / "a" / "checkpoints" / "ckpt-0-step-10")]),
+                          cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "resuming: dropout draws new random numbers after a restart" in proc.stdout
+    assert ("cannot continue at step 11, because it reshuffles every epoch" in proc.stdout and
+            "give reshuffle_each_iteration=False" in proc.stdout and "restarts from its first step" in proc.stdout)
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["first_step"] == 0

@@ -172,3 +172,15 @@ def test_an_empty_dataset_is_a_clear_error(tmp_path):
     proc = _job(2, "gloo", tmp_path, "--model", "user_models:regression", "--data", "user_data:empty")
     assert proc.returncode != 0 and len(_errors(proc)) == 1
     assert "user_data:empty: the data set is empty" in _errors(proc)[0]
+
+
+def test_val_split_of_a_file_pipeline_says_it_shards_by_element_without_tensorflows_error(tmp_path):
+    """--val-split numbers the elements (enumerate), which TensorFlow's by-file rewrite cannot walk:
+    one line says so, instead of the rewrite's 100-line grappler error on every rank."""
+    env = {"RECORDS": _records(tmp_path, 4, 150)}
+    proc = _job(2, "gloo", tmp_path / "run", *SGD_MODEL, "--data", "user_data:records", "--epochs", "1",
+                "--val-split", "0.2", env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "it numbers its elements (enumerate, as --val-split does)" in proc.stdout
+    assert "tf_auto_shard failed" not in proc.stdout
+    assert _summary(tmp_path / "run")["data"] == {"sharding": "element", "samples": 480, "validation": True}

@@ -196,3 +196,12 @@ def counted(input_shape, num_classes):
     x = layers.BatchNormalization()(x)
     x = layers.ReLU()(x)
     return Counted(inputs, layers.Dense(num_classes)(x), name="counted")
+
+
+def dropout_mlp():
+    """A compiled MLP with Dropout, as most keras.io examples have one."""
+    model = keras.Sequential([layers.Input((8, 8, 1)), layers.Flatten(), layers.Dense(32, activation="relu"),
+                              layers.Dropout(0.2), layers.Dense(10)], name="dropout_mlp")
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model

@@ -212,13 +212,7 @@ def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: 
     class EpochCheckpoints(tf.keras.callbacks.Callback):
         _supports_tf_logs = True  # Keras then hands over the logs without converting them
 
-        def __init__(self):
-            super().__init__()
-            self.step_due_at_end = False
-            self.mark = (first_epoch * steps_per_epoch + first_step, time.perf_counter())  # (step, time)
-            self.every = cfg.checkpoint_every_steps or 20  # minutes: a first measurement after 20 steps
-            self.measured = not cfg.checkpoint_every_minutes
-            self.next_at = self.mark[0] + self.every
+        step_due_at_end = False
 
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
@@ -236,6 +230,17 @@ def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: 
             self.retime(epoch * steps_per_epoch + step)
 
         def retime(self, now):
+            pass
+
+    class StepCheckpoints(EpochCheckpoints):
+        def __init__(self):
+            super().__init__()
+            self.mark = (first_epoch * steps_per_epoch + first_step, time.perf_counter())  # (step, time)
+            self.every = cfg.checkpoint_every_steps or 20  # minutes: a first measurement after 20 steps
+            self.measured = not cfg.checkpoint_every_minutes
+            self.next_at = self.mark[0] + self.every
+
+        def retime(self, now):
             """The step of the next save: --checkpoint-every-steps on, or as many steps as rank 0
             measured in --checkpoint-every-minutes, told to every rank."""
             if cfg.checkpoint_every_minutes:
@@ -249,7 +254,6 @@ def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: 
             self.mark = (now, time.perf_counter())
             self.next_at = now + self.every
 
-    class StepCheckpoints(EpochCheckpoints):
         def on_train_batch_end(self, batch, logs=None):
             step = self.offset + batch + 1
             now = self.epoch * steps_per_epoch + step

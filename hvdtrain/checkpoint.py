@@ -38,7 +38,7 @@ class Checkpoints:
                                         step=self.step)
         self.ckpt.save_counter  # created now, so that ckpt.write stores it as CheckpointManager did
         self.resumed_from = None  # the meta of the checkpoint this run resumed from
-        self.ranks = None  # on resume: every rank's own state, as saved (see per_rank_state)
+        self.ranks = None  # on resume: every rank's own state, as saved (see gather_per_rank_state)
 
     def find(self) -> str | None:
         """The checkpoint to resume from: --resume, else the latest in the run's checkpoint dir."""
@@ -135,8 +135,9 @@ class Checkpoints:
                 f"--no-auto-resume starts over (the old run is kept aside), or use another --output-dir")
 
     def save(self, epoch: int, step: int = 0):
-        """Every rank calls it (gathering each rank's own state is a collective); rank 0 writes."""
-        ranks = gather_per_rank_state(self.model)
+        """Every rank calls it (inside an epoch, gathering each rank's own state is a collective);
+        rank 0 writes. At an epoch's end that state is already averaged: one row holds it."""
+        ranks = gather_per_rank_state(self.model) if step else own_state(self.model)[None]
         if runtime.world().is_chief:
             self._write(epoch, step, ranks)
 
@@ -177,13 +178,18 @@ def per_rank_variables(model) -> list:
     return [v for v in model.non_trainable_variables if v.dtype.is_floating]
 
 
+def own_state(model):
+    """This rank's per_rank_variables, flattened, as float64 (exact for float32)."""
+    variables = per_rank_variables(model)
+    return np.concatenate([np.ravel(v.numpy()).astype(np.float64) for v in variables]) if variables \
+        else np.zeros(0)
+
+
 def gather_per_rank_state(model):
-    """[ranks, values]: every rank's per_rank_variables, flattened, as float64 (exact for float32)."""
+    """[ranks, values]: every rank's own_state."""
     import tensorflow as tf
 
-    variables = per_rank_variables(model)
-    mine = np.concatenate([np.ravel(v.numpy()).astype(np.float64) for v in variables]) if variables \
-        else np.zeros(0)
+    mine = own_state(model)
     if runtime.world().size == 1:
         return mine[None]
     import horovod.tensorflow as hvd

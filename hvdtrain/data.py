@@ -529,12 +529,6 @@ def batching(ds):
     return False, None
 
 
-def _reshuffles(ds) -> bool:
-    """Does the pipeline shuffle anew every epoch (so no fixed part of it can be held out)?"""
-    return any(type(d).__name__ == "_ShuffleDataset" and getattr(d, "_reshuffle_each_iteration", True)
-               for d in _upstream(ds, _KEEP_BATCHING))
-
-
 def _hold_out(ds, fraction: float, name: str):
     """(train, val): every element whose position i has floor((i+1) f) > floor(i f) is validation,
     so exactly floor(n f) of n are, with no pass to count them and the same split every epoch."""
@@ -543,8 +537,9 @@ def _hold_out(ds, fraction: float, name: str):
     if ds.cardinality() == tf.data.INFINITE_CARDINALITY:
         raise UserError(f"--val-split cannot split {name}: it is infinite (it repeats); return "
                         f"(train, val) from it instead")
-    if _reshuffles(ds):
-        raise UserError(f"--val-split cannot split {name}: it reshuffles every epoch, so a held-out "
+    why = unrepeatable(ds)
+    if why:
+        raise UserError(f"--val-split cannot split {name}: {why}, so a held-out "
                         f"part would change and leak into training; return (train, val) instead (e.g. "
                         f"image_dataset_from_directory(validation_split=..., subset='both', seed=...))")
     def is_val(i, *_):
@@ -596,7 +591,6 @@ def shard(ds, rank: int, workers: int):
     pipeline whose options say AutoShardPolicy.DATA is sharded by element, OFF not at all.
     """
     import tensorflow as tf
-    from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
 
     reader = _under_the_maps(ds)
     policy = ds.options().experimental_distribute.auto_shard_policy
@@ -611,13 +605,14 @@ def shard(ds, rank: int, workers: int):
         why = (f"its reader ({', '.join(sorted(reads))}) cannot be sharded by file by TensorFlow: sharded "
                f"by element instead, so every worker reads every file") if reads else None
         return (*by_element, why)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+    if _file_readers(ds, {"RangeDataset"}):  # a source the rewrite cannot walk past
+        return (*by_element, "it numbers its elements (enumerate, as --val-split does), which TensorFlow "
+                             "cannot shard by file: sharded by element instead, so every worker reads every file")
     try:
-        by_file = _AutoShardDataset(ds.with_options(options), workers, rank)
+        by_file = _auto_sharded(ds, workers, rank)
     except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError):
         return (*by_element, None)  # no file reader at the source of the pipeline
-    my_reader = _AutoShardDataset(reader.with_options(options), workers, rank)
+    my_reader = _auto_sharded(reader, workers, rank)
     try:
         nothing = next(iter(my_reader.take(1)), None) is None
     except tf.errors.InvalidArgumentError:  # "the dataset only has 1 file(s), which is not enough"
@@ -731,7 +726,7 @@ def _from_pipeline(cfg: Config, world: World, name: str, train, val, user_shards
     def resumed(count):
         """`pre`, `count` elements on (by file: counted in this worker's files)."""
         if how == "file":
-            return _auto_sharded(skip_cheaply(train, count), world) if count else pre
+            return _auto_sharded(skip_cheaply(train, count), world.size, world.rank) if count else pre
         return skip_cheaply(pre, count)
 
     def epoch(e, skip=0):
@@ -749,15 +744,15 @@ def _from_pipeline(cfg: Config, world: World, name: str, train, val, user_shards
                 notes=notes + more, unrepeatable=unrepeatable(train))
 
 
-def _auto_sharded(ds, world: World):
-    """ds sharded by file, as shard() did it: TensorFlow's FILE rewrite puts the shard in front of
-    the reader, so a skip inserted above the reader skips records of this worker's files."""
+def _auto_sharded(ds, workers: int, rank: int):
+    """ds sharded by file, by TensorFlow's FILE rewrite (what tf.distribute does): the shard goes in
+    front of the reader, so a skip inserted above the reader skips records of this worker's files."""
     import tensorflow as tf
     from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
 
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
-    return _AutoShardDataset(ds.with_options(options), world.size, world.rank)
+    return _AutoShardDataset(ds.with_options(options), workers, rank)
 
 
 _REBUILT = {"_MapDataset", "_ParallelMapDataset", "_PrefetchDataset", "_BatchDataset"}

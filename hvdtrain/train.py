@@ -475,7 +475,7 @@ def fit_elastic(cfg: Config, model, shard, ckpts, trainer: Trainer):
         if first_step and not rounds:
             ckpts.ranks = state.ranks
             ckpts.take_own_state()
-        state.batch = 0  # a later round (another world) restarts its epoch
+        state.batch, state.ranks = 0, None  # a later round (another world) restarts its epoch
         rounds.append({"world_size": world.size, "from_epoch": int(state.epoch), "from_step": first_step,
                        "lr": lr})
         log.info("elastic round %d: %d workers from epoch %d, lr %s", len(rounds), world.size,

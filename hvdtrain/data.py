@@ -266,9 +266,9 @@ def _from_arrays(cfg: Config, world: World, x, y, xv, yv) -> Data:
     take = steps * batch
 
     def epoch(e, skip=0):
-        idx = tf.data.Dataset.range(n)
-        if cfg.shuffle:
-            idx = idx.shuffle(n, seed=_epoch_seed(cfg.seed, e), reshuffle_each_iteration=False)
+        # stateless: shuffle(seed=a tensor) fails to trace under the global seed 0 (--seed 0)
+        idx = tf.data.Dataset.from_tensor_slices(_permutation(n, _epoch_seed(cfg.seed, e), 0)) if cfg.shuffle \
+            else tf.data.Dataset.range(n)
         return (idx.shard(world.size, world.rank).take(take)
                 .batch(batch, drop_remainder=True).skip(skip)  # indices only: a resume reads no data
                 .map(lambda i: tf.nest.map_structure(lambda a: tf.gather(a, i), (xt, yt))))

@@ -22,6 +22,13 @@ def test_every_rank_ends_with_identical_weights_under_the_measured_cpu_defaults(
     assert env["HOROVOD_CYCLE_TIME"] == ("5" if launcher == "gloo" else None)
 
 
+def test_seed_zero_trains_like_any_other_seed(out):
+    """TensorFlow's shuffle(seed=tensor) cannot be traced under the global seed 0; the data order
+    is drawn statelessly instead, so --seed 0 works (it crashed at the first step)."""
+    summary = train(1, None, out, *DIGITS_FAST, "--seed", "0")
+    assert summary["config"]["seed"] == 0 and summary["epochs_run"] == 2
+
+
 def test_two_workers_equal_one_worker_with_twice_the_batch(tmp_path):
     """Synchronous data parallelism is exact: same samples per step, gradients averaged, same update."""
     import tensorflow as tf

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 
 import numpy as np
 
@@ -39,6 +40,7 @@ class Checkpoints:
         self.ckpt.save_counter  # created now, so that ckpt.write stores it as CheckpointManager did
         self.resumed_from = None  # the meta of the checkpoint this run resumed from
         self.ranks = None  # on resume: every rank's own state, as saved (see gather_per_rank_state)
+        self.save_seconds = []  # what each save cost this rank (bench's checkpoint section reads rank 0's)
 
     def find(self) -> str | None:
         """The checkpoint to resume from: --resume, else the latest in the run's checkpoint dir."""
@@ -137,9 +139,11 @@ class Checkpoints:
     def save(self, epoch: int, step: int = 0):
         """Every rank calls it (inside an epoch, gathering each rank's own state is a collective);
         rank 0 writes. At an epoch's end that state is already averaged: one row holds it."""
+        t0 = time.perf_counter()
         ranks = gather_per_rank_state(self.model) if step else own_state(self.model)[None]
         if runtime.world().is_chief:
             self._write(epoch, step, ranks)
+        self.save_seconds.append(time.perf_counter() - t0)
 
     def _write(self, epoch: int, step: int, ranks):
         """CheckpointManager's steps (write the files, then the index atomically, then drop the oldest)

@@ -147,10 +147,14 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
         "model": {"name": model.name, "loss": trainer.loss},
         "optimizer": {**trainer.optimizer, "lr_scaled": trainer.peak_lr(world)},
         "metrics": {k: float(v[-1]) for k, v in history.history.items()},
+        # every epoch of this run: its metrics, and its training time (validation left out)
+        "history": {**{k: [float(x) for x in v] for k, v in history.history.items()},
+                    "epoch_seconds": epoch_end.epoch_seconds},
         "samples_per_sec_per_worker": per_worker,
         "samples_per_sec_total": sum(per_worker),
         "wall_time_s": time.time() - t0,
         "startup_s": max(runtime.gather(startup_s)),
+        "checkpoint_save_s": ckpts.save_seconds,  # rank 0's: the others wait for it at the next step
         "weights_sha256_by_rank": runtime.gather(weights_sha256(model)),
         "precision": {"policy": _policy(), "loss_scaling": _loss_scaling(model)},
         "elastic_rounds": rounds,

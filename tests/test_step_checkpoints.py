@@ -6,12 +6,13 @@ pipeline; horovodrun and mpirun; a kill at the first step of an epoch, at the la
 import collections
 import json
 import random
+import re
 import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, command, job_env, train
+from conftest import BIN, PYTHON, ROOT, command, job_env, train
 
 N, BATCH, WORKERS, EPOCHS, EVERY = 384, 8, 2, 3, 5
 STEPS = N // (BATCH * WORKERS)  # 24 per epoch, nothing left out
@@ -40,12 +41,24 @@ def _flags(data):
             "cosine", "--checkpoint-every-steps", str(EVERY), "--keep-checkpoints", "2", "--no-save-model")
 
 
+def _elastic(out, argv):
+    """horovodrun's elastic launch on one host of 2 slots: a dead worker's host is blacklisted, fewer
+    than --min-np remain, and the whole job ends (after --elastic-timeout): a restart is a new job."""
+    hostfile = out / "hosts"
+    hostfile.write_text(f"localhost slots={WORKERS}\n")
+    return [str(BIN / "horovodrun"), "-np", str(WORKERS), "--min-np", str(WORKERS), "--max-np", str(WORKERS),
+            "--elastic-timeout", "5", "--network-interface", "lo", "--host-discovery-script",
+            f"{PYTHON} -m hvdtrain hosts --discover --hostfile {hostfile}", PYTHON, *argv, "--elastic"]
+
+
 def _run(launcher, out, data, env, kill_at=None, counts="counts"):
     counts = out / counts
     counts.mkdir(parents=True, exist_ok=True)
-    env = {**env, "COUNT_DIR": str(counts), **({"KILL_AT": str(kill_at), "KILL_RANK": "1"} if kill_at else {})}
+    env = {**env, "COUNT_DIR": str(counts), "HOROVOD_GLOO_TIMEOUT_SECONDS": "10",
+           **({"KILL_AT": str(kill_at), "KILL_RANK": "1"} if kill_at else {})}
     argv = ["-m", "hvdtrain", "--output-dir", str(out), "--verbose", "0", "--no-tensorboard", *_flags(data)]
-    return subprocess.run(command(WORKERS, launcher, argv), cwd=ROOT, env=job_env(env), timeout=300,
+    cmd = _elastic(out, argv) if launcher == "elastic" else command(WORKERS, launcher, argv)
+    return subprocess.run(cmd, cwd=ROOT, env=job_env(env), timeout=300,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -94,8 +107,9 @@ def straight(sources, tmp_path_factory):
     ("tfrecord", "mpirun", 2 * STEPS),               # the last step of epoch 2
     ("pipeline", "gloo", random.Random(7).randint(STEPS + 2, 2 * STEPS - 1)),  # between
     ("arrays", "mpirun", random.Random(8).randint(2, STEPS - 1)),              # between, epoch 1
+    ("arrays", "elastic", random.Random(9).randint(STEPS + 2, 2 * STEPS - 1)),  # the whole elastic job
 ], ids=["arrays-horovodrun-first-step", "tfrecord-mpirun-last-step", "pipeline-horovodrun-mid-epoch",
-        "arrays-mpirun-mid-epoch"])
+        "arrays-mpirun-mid-epoch", "arrays-elastic-job-restarted"])
 def test_worker_killed_inside_an_epoch_resumes_at_the_next_step_and_ends_bit_identical(
         source, launcher, kill_at, sources, straight, tmp_path):
     data, env = sources[source]
@@ -132,3 +146,22 @@ def test_a_resume_that_cannot_be_replayed_says_why_and_what_to_change(tmp_path):
     assert ("cannot continue at step 11, because it reshuffles every epoch" in proc.stdout and
             "give reshuffle_each_iteration=False" in proc.stdout and "restarts from its first step" in proc.stdout)
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["first_step"] == 0
+
+
+def test_checkpoint_every_minutes_saves_inside_epochs_at_steps_every_rank_agrees_on(sources, tmp_path):
+    """Rank 0 turns the minutes into a step count and tells the others: a save inside an epoch gathers
+    every rank's BatchNorm state, so a rank saving at another step would hang the job, not pass."""
+    data, env = sources["arrays"]
+    flags = [f if f != "--checkpoint-every-steps" else "--checkpoint-every-minutes" for f in _flags(data)]
+    flags[flags.index("--checkpoint-every-minutes") + 1] = "0.001"  # 60 ms: a save every few steps
+    flags[flags.index("--keep-checkpoints") + 1] = "1000"
+    argv = ["-m", "hvdtrain", "--output-dir", str(tmp_path), "--no-tensorboard", *flags]
+    proc = subprocess.run(command(WORKERS, "gloo", argv), cwd=ROOT, env=job_env({**env, "COUNT_DIR": str(tmp_path)}),
+                          timeout=300, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    index = "\n".join(l for l in (tmp_path / "checkpoints" / "checkpoint").read_text().splitlines()
+                      if l.startswith("all_model_checkpoint_paths"))
+    inside = [int(e) * STEPS + int(s) for e, s in re.findall(r'"ckpt-(\d+)-step-(\d+)"', index)]
+    assert inside and all(0 < s % STEPS for s in inside), index
+    assert min(inside) > 20  # the first 20 steps only measure how long a step takes
+    assert [f"ckpt-{e}" for e in range(1, EPOCHS + 1)] == re.findall(r'"(ckpt-\d+)"', index)

@@ -5,22 +5,28 @@
   allreduce   hvd.allreduce bus bandwidth over sizes, beside mpi4py's Allreduce and a memcpy (the
               ceiling), busbw = algbw x 2(n-1)/n as nccl-tests define it
   baseline    hvdtrain at 1 worker against a plain Keras model.fit of the same model and data
-  peers       tf.distribute.MultiWorkerMirroredStrategy (synchronous) and ParameterServerStrategy
-              (asynchronous) on the same model and data: throughput, and accuracy after as many samples
+  recipe      hvdtrain against Horovod's Keras recipe written by hand (hvdtrain/horovod_recipe.py)
+  sync-vs-async  hvdtrain, MultiWorkerMirroredStrategy and ParameterServerStrategy (1 and 2 parameter
+              servers) doing the same work: accuracy against time and samples, throughput, staleness
+              (hvdtrain/sync_vs_async.py)
+  startup     launch to first step on a user's own TFRecord files, against the `tfrecord:` source
+  checkpoint  what --checkpoint-every-steps costs at its default N, for each built-in model
 
-Writes bench.json and scaling.png in --out, and prints the figures side by side.
+Writes bench.json and PNG plots in --out, and prints the figures side by side.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from . import sync_vs_async
 from .config import UserError
 
 PY = sys.executable
@@ -210,6 +216,44 @@ def keras_worker(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- against Horovod's recipe by hand
+
+def recipe(args, out: Path) -> dict:
+    """hvdtrain against hvdtrain/horovod_recipe.py (Horovod's Keras example, by hand), the same model,
+    synthetic data, batch, optimizer (Adam, lr 0.001 x workers after a 1-epoch warm-up) and thread
+    budget, at the most workers; interleaved A B A B, the ratio of each pair."""
+    import numpy as np
+
+    n, rows = max(args.workers), []
+    launch = lambda: [PY] if n == 1 else _launcher(n, args.controllers[0], args.hosts) + [PY]
+    for model in args.checkpoint_models:
+        size, per = MODEL_SIZES.get(model, (args.image_size, 1))
+        steps = max(1, round(per * args.steps))
+        runs = {"hvdtrain": [], "recipe": []}
+        for rep in range(args.repeats):
+            run_dir = out / f"recipe-{model}-hvdtrain-{rep}"
+            flags = train_flags(argparse.Namespace(**{**vars(args), "model": model, "image_size": size}), steps)
+            flags[flags.index("--optimizer") + 1] = "adam"
+            _run(launch() + ["-m", "hvdtrain", "--output-dir", str(run_dir), "--no-auto-resume", *flags,
+                             "--lr", "0.001"], timeout=args.timeout)
+            runs["hvdtrain"].append(json.loads((run_dir / "summary.json").read_text())["samples_per_sec_total"])
+            text = _run(launch() + ["-m", "hvdtrain.horovod_recipe", "--model", model, "--image-size", str(size),
+                                    "--batch-size", str(args.batch_size), "--steps", str(steps),
+                                    "--threads", str(args.threads)], timeout=args.timeout)
+            # rank 0's Keras progress bar (verbose=1, as in the recipe) may share the line
+            ranks = [json.loads(m) for m in re.findall(r"RECIPE (\{[^}]*\})", text)]
+            if len(ranks) != n:
+                raise UserError(f"bench: the recipe printed {len(ranks)} of {n} ranks' figures:\n{text[-2000:]}")
+            runs["recipe"].append(sum(r["samples_per_sec"] for r in ranks))
+            say(f"recipe {model} {n} workers: hvdtrain {runs['hvdtrain'][-1]:.1f}, "
+                f"recipe {runs['recipe'][-1]:.1f} samples/s")
+        ratios = [a / b for a, b in zip(runs["hvdtrain"], runs["recipe"])]
+        rows.append({"model": model, "image_size": size, "steps_per_epoch": steps, "samples_per_sec": runs,
+                     "ratios": ratios, "ratio_median": float(np.median(ratios))})
+    return {"workers": n, "controller": args.controllers[0], "batch_size_per_worker": args.batch_size,
+            "rows": rows}
+
+
 # ---------------------------------------------------------------- start-up on a user's own files
 
 def startup(args, out: Path) -> dict:
@@ -249,116 +293,101 @@ def startup(args, out: Path) -> dict:
             "ratio": med["own_pipeline"] / med["tfrecord"]}
 
 
-# ---------------------------------------------------------------- tf.distribute peers
+# ---------------------------------------------------------------- the cost of step checkpoints
 
-def _free_ports(k):
-    socks = [socket.socket() for _ in range(k)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+# per built-in model: (image size, steps per epoch in units of --steps), so that a run of each takes
+# about as long: the MLP on 8x8 inputs and the CNN on 16x16 (digits-like), ResNet-50 on 32x32
+MODEL_SIZES = {"mlp": (8, 50), "cnn": (16, 5), "resnet50": (32, 0.5)}
 
 
-def peers(args, out: Path) -> dict:
-    """Synchronous allreduce (Horovod, MWMS) against asynchronous parameter servers, on digits/cnn."""
-    n = max(args.workers)
-    res = {"model": "cnn", "data": "digits", "workers": n, "epochs": args.peer_epochs}
-    run_dir = out / "peer-horovod"
-    flags = ["--model", "cnn", "--data", "digits", "--epochs", str(args.peer_epochs), "--batch-size", "32",
-             "--lr", "0.001", "--warmup-epochs", "0", "--checkpoint-every", "0", "--no-keep-best",
-             "--no-tensorboard", "--no-save-model", "--no-worker-logs", "--verbose", "0",
-             "--threads", str(args.threads)]
-    _run(_launcher(n, args.controllers[0], args.hosts) + [PY, "-m", "hvdtrain", "--output-dir",
-                                                          str(run_dir), *flags], timeout=args.timeout)
-    s = json.loads((run_dir / "summary.json").read_text())
-    res["horovod"] = {"samples_per_sec": s["samples_per_sec_total"], "val_accuracy": s["metrics"]["val_accuracy"]}
-    say(f"peers horovod: {res['horovod']['samples_per_sec']:.1f} samples/s")
-    for kind in ("mwms", "ps"):
-        try:
-            res[kind] = _tf_distribute(kind, n, args)
-        except (UserError, subprocess.TimeoutExpired) as e:
-            res[kind] = {"error": str(e).splitlines()[-1][:300]}
-        say(f"peers {kind}: " + (f"{res[kind]['samples_per_sec']:.1f} samples/s" if "samples_per_sec" in res[kind]
-                                 else f"failed: {res[kind]['error']}"))
-    return res
+def checkpoint_cost(args, out: Path) -> dict:
+    """--checkpoint-every-steps N costs a per-batch hook on every step and a save every N steps.
 
-
-def _tf_distribute(kind: str, n: int, args) -> dict:
-    ports = _free_ports(n + 2)
-    if kind == "mwms":
-        cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:n]]}
-        roles = [("worker", i) for i in range(n)]
-    else:
-        cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:n]], "ps": [f"127.0.0.1:{ports[n]}"],
-                   "chief": [f"127.0.0.1:{ports[n + 1]}"]}
-        roles = [("worker", i) for i in range(n)] + [("ps", 0), ("chief", 0)]
-    procs = []
-    for job, i in roles:
-        env = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": job, "index": i}})}
-        procs.append(subprocess.Popen([PY, "-m", "hvdtrain", "bench", "--worker", kind, "--threads",
-                                       str(args.threads), "--peer-epochs", str(args.peer_epochs)],
-                                      env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    reporter = procs[0] if kind == "mwms" else procs[-1]
-    try:
-        text, _ = reporter.communicate(timeout=args.timeout)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    if "BENCH " not in text:
-        raise UserError(f"{kind} failed: {text[-1500:]}")
-    return json.loads(text.split("BENCH ", 1)[1].splitlines()[0])
-
-
-def tf_distribute_worker(kind: str, args) -> int:
+    The hook: Keras calling hvdtrain's own checkpoint callback as fit does, timed alone (microseconds,
+    which no throughput comparison on a shared machine resolves); and, as a cross-check, throughput
+    with it (N beyond the run's last step, so that no save lands in the timed epochs) against without
+    (N = 0), interleaved A B A B at the most workers, the ratio of each pair. The save: rank 0's time
+    to write one (every run writes one at each epoch's end, outside the timed epochs), the others
+    waiting for it at their next step. Cost at N = (hook + save / N) / step.
+    """
     import numpy as np
+
+    from .config import Config
+
+    n, every = max(args.workers), Config.checkpoint_every_steps
+    hook_s = _hook_seconds(Config(checkpoint_every_steps=every))
+    say(f"checkpoint hook: {hook_s * 1e6:.1f} us a step")
+    rows = []
+    for model in args.checkpoint_models:
+        size, per = MODEL_SIZES.get(model, (args.image_size, 1))
+        steps = max(1, round(per * args.steps))
+        runs, saves = {"off": [], "on": []}, []
+        for rep in range(args.repeats):
+            for kind in runs:
+                run_dir = out / f"checkpoint-{model}-{kind}-{rep}"
+                flags = train_flags(argparse.Namespace(**{**vars(args), "model": model, "image_size": size}), steps)
+                flags[flags.index("--checkpoint-every") + 1] = "1"
+                cmd = ([PY] if n == 1 else _launcher(n, args.controllers[0], args.hosts) + [PY]) + \
+                    ["-m", "hvdtrain", "--output-dir", str(run_dir), "--no-auto-resume", *flags,
+                     "--checkpoint-every-steps", str(2 * steps + 1 if kind == "on" else 0)]
+                _run(cmd, timeout=args.timeout)
+                s = json.loads((run_dir / "summary.json").read_text())
+                runs[kind].append(s["samples_per_sec_total"])
+                saves += s["checkpoint_save_s"]
+                say(f"checkpoint {model} hook {kind}: {s['samples_per_sec_total']:.1f} samples/s, "
+                    f"saves {_fmt_s(s['checkpoint_save_s'])}")
+        ratios = [on / off for on, off in zip(runs["on"], runs["off"])]
+        step_s = args.batch_size * n / float(np.median(runs["off"]))
+        save_s = float(np.median(saves))
+        hook, save_cost = hook_s / step_s, save_s / every / step_s
+        rows.append({"model": model, "image_size": size, "steps_per_epoch": steps, "samples_per_sec": runs,
+                     "on_off_ratios": ratios, "step_s": step_s, "save_s": saves, "save_s_median": save_s,
+                     "hook_cost": hook, "save_cost": save_cost, "cost_at_default": hook + save_cost})
+    return {"workers": n, "every": every, "hook_s": hook_s, "rows": rows}
+
+
+def _hook_seconds(cfg, calls=200_000) -> float:
+    """Per step: Keras' CallbackList calling hvdtrain's checkpoint callback before and after a batch,
+    as model.fit does (tensors in the logs, not read), against the same list without it."""
     import tensorflow as tf
 
-    from . import config, data, models
+    from . import callbacks
 
-    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    task = json.loads(os.environ["TF_CONFIG"])["task"]
-    if kind == "ps" and task["type"] in ("worker", "ps"):
-        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        server = tf.distribute.Server(resolver.cluster_spec(), job_name=task["type"],
-                                      task_index=task["index"], protocol="grpc", start=True)
-        server.join()
-        return 0
-    if kind == "mwms":
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        n = strategy.num_replicas_in_sync
-    else:
-        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        strategy = tf.distribute.ParameterServerStrategy(resolver)
-        n = len(resolver.cluster_spec().as_dict()["worker"])
-    cfg = config.Config(model="cnn", data="digits", batch_size=32, seed=1)
-    x, y, xv, yv = data._digits(cfg, None, True)
-    steps = len(x) // (32 * n)
-    with strategy.scope():
-        model = models.BUILDERS["cnn"](x.shape[1:], 10)
-        model.compile(tf.keras.optimizers.Adam(0.001 * n),
-                      tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-    global_batch = 32 * n
+    class Saves:  # the writes are timed in real runs; here only the hook's own work
+        def save(self, epoch, step):
+            pass
 
-    def make(input_context=None):
-        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=1).repeat()
-        return ds.batch(global_batch if input_context is None else 32, drop_remainder=True)
+    model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
+    model.build((None, 1))
+    logs = {"loss": tf.constant(1.0), "accuracy": tf.constant(0.5)}
+    tf.get_logger().setLevel("ERROR")  # Keras' "slow compared to the batch time": there is no batch here
+    timed = {}
+    for kind in ("without", "with", "without", "with"):
+        hook = callbacks.checkpoints(cfg, Saves(), calls, 0, 0) if kind == "with" else None
+        cbs = tf.keras.callbacks.CallbackList([hook] if hook else [], add_history=True, model=model, epochs=1,
+                                              steps=calls, verbose=0)
+        cbs.on_train_begin()
+        cbs.on_epoch_begin(0)
+        for i in range(20):  # Keras times the first batches' hooks
+            cbs.on_train_batch_begin(i)
+            cbs.on_train_batch_end(i, logs)
+        t0 = time.perf_counter()
+        for i in range(20, calls):
+            cbs.on_train_batch_begin(i)
+            cbs.on_train_batch_end(i, logs)
+        timed.setdefault(kind, []).append((time.perf_counter() - t0) / (calls - 20))
+    return max(0.0, min(timed["with"]) - min(timed["without"]))
 
-    source = tf.keras.utils.experimental.DatasetCreator(make) if kind == "ps" else make()
-    model.fit(source, epochs=1, steps_per_epoch=1, verbose=0)
-    t0 = time.perf_counter()
-    model.fit(source, epochs=args.peer_epochs, steps_per_epoch=steps, verbose=0)
-    wall = time.perf_counter() - t0
-    local = models.BUILDERS["cnn"](x.shape[1:], 10)  # evaluated outside the strategy, as for Horovod's rank 0
-    local.set_weights(model.get_weights())
-    acc = float(np.mean(np.argmax(local.predict(xv, batch_size=256, verbose=0), axis=1) == yv))
-    if kind == "ps" or task["index"] == 0:
-        print("BENCH " + json.dumps({"samples_per_sec": args.peer_epochs * steps * global_batch / wall,
-                                     "val_accuracy": float(acc)}), flush=True)
-    return 0
+
+def _fmt_s(seconds) -> str:
+    return ", ".join(f"{x * 1000:.0f} ms" for x in seconds)
+
+
+def _spread(values, fmt="{:.3f}") -> str:
+    """min / median / max: one figure hides how noisy a shared machine is."""
+    import numpy as np
+
+    return "/".join(fmt.format(v) for v in (min(values), float(np.median(values)), max(values)))
 
 
 # ---------------------------------------------------------------- report
@@ -414,18 +443,29 @@ def report(results: dict) -> str:
         b = results["baseline"]
         lines.append(f"== 1 worker: hvdtrain {b['hvdtrain_1_worker']:.1f} vs plain Keras {b['plain_keras_fit']:.1f}"
                      f" samples/s (ratio {b['ratio']:.3f})")
-    if "peers" in results:
-        p = results["peers"]
-        lines.append(f"== peers ({p['workers']} workers, cnn on digits, {p['epochs']} epochs)")
-        for k in ("horovod", "mwms", "ps"):
-            v = p.get(k, {})
-            lines.append(f"  {k:8} " + (f"{v['samples_per_sec']:9.1f} samples/s  val_accuracy {v['val_accuracy']:.3f}"
-                                        if "samples_per_sec" in v else f"failed: {v.get('error')}"))
     if "startup" in results:
         st = results["startup"]
         lines.append(f"== start-up, {st['records']} records at {st['workers']} workers (median of "
                      f"{len(st['startup_s']['tfrecord'])}): own pipeline {st['median_s']['own_pipeline']:.2f} s, "
                      f"tfrecord: {st['median_s']['tfrecord']:.2f} s (ratio {st['ratio']:.2f})")
+    if "recipe" in results:
+        r = results["recipe"]
+        lines.append(f"== hvdtrain / Horovod's recipe by hand ({r['workers']} workers, {r['controller']}, batch "
+                     f"{r['batch_size_per_worker']}/worker; min/median/max of "
+                     f"{len(r['rows'][0]['ratios'])} interleaved pairs)")
+        for row in r["rows"]:
+            lines.append(f"  {row['model']:9} {_spread(row['ratios'])}")
+    if "checkpoint" in results:
+        c = results["checkpoint"]
+        lines.append(f"== checkpoint every {c['every']} steps ({c['workers']} workers): the per-step hook "
+                     f"{c['hook_s'] * 1e6:.1f} us; throughput with it / without (min/median/max of "
+                     f"{len(c['rows'][0]['on_off_ratios'])} pairs); one save; cost at {c['every']}")
+        for r in c["rows"]:
+            lines.append(f"  {r['model']:9} hook {_spread(r['on_off_ratios'])}  step {r['step_s'] * 1000:.1f} ms"
+                         f"  save {r['save_s_median'] * 1000:.0f} ms  cost {r['cost_at_default']:.2%}"
+                         f" (hook {r['hook_cost']:.2%}, saves {r['save_cost']:.2%})")
+    if "sync_vs_async" in results:
+        lines.append(sync_vs_async.table(results["sync_vs_async"]))
     return "\n".join(lines)
 
 
@@ -444,13 +484,21 @@ def parser():
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker, the same at every N")
     p.add_argument("--min-bytes", type=int, default=4 << 10)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
-    p.add_argument("--peer-epochs", type=int, default=3)
-    p.add_argument("--sections", type=lambda s: s.split(","), default=["scaling", "allreduce", "baseline", "peers", "startup"])
+    p.add_argument("--sections", type=lambda s: s.split(","), default=["scaling", "allreduce", "baseline", "recipe", "startup", "checkpoint",
+                                                                 "sync-vs-async"])
     p.add_argument("--records", type=int, default=200_000, help="startup: records in the user's own files")
-    p.add_argument("--repeats", type=int, default=3, help="startup: interleaved repetitions")
+    p.add_argument("--repeats", type=int, default=3, help="startup, recipe, checkpoint: interleaved repetitions")
+    p.add_argument("--checkpoint-models", type=lambda s: s.split(","), default=["mlp", "cnn", "resnet50"],
+                   help="recipe, checkpoint: the built-in models, each at its size (MODEL_SIZES)")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--out", default="runs/bench")
-    p.add_argument("--worker", choices=["allreduce", "keras", "mwms", "ps"], help=argparse.SUPPRESS)
+    p.add_argument("--study-tasks", type=lambda s: s.split(","), default=["cnn", "wide"],
+                   help="sync-vs-async: cnn (compute bound), wide (communication bound)")
+    p.add_argument("--study-workers", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4])
+    p.add_argument("--study-seeds", type=int, default=3)
+    p.add_argument("--study-epochs", type=int, default=10)
+    p.add_argument("--study-peer", help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["allreduce", "keras", "sync-vs-async"], help=argparse.SUPPRESS)
     return p
 
 
@@ -460,8 +508,8 @@ def main(argv) -> int:
         return allreduce_worker(args)
     if args.worker == "keras":
         return keras_worker(args)
-    if args.worker in ("mwms", "ps"):
-        return tf_distribute_worker(args.worker, args)
+    if args.worker == "sync-vs-async":
+        return sync_vs_async.worker(args)
     args.max_workers = max(args.workers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -476,12 +524,20 @@ def main(argv) -> int:
         results["allreduce"] = allreduce(args)
     if "baseline" in args.sections:
         results["baseline"] = keras_baseline(args, out)
-    if "peers" in args.sections:
-        results["peers"] = peers(args, out)
+    if "recipe" in args.sections:
+        results["recipe"] = recipe(args, out)
     if "startup" in args.sections:
         results["startup"] = startup(args, out)
+    if "checkpoint" in args.sections:
+        results["checkpoint"] = checkpoint_cost(args, out)
+    if "sync-vs-async" in args.sections:
+        results["sync_vs_async"] = sync_vs_async.study(
+            args, out, _run, lambda n: _launcher(n, args.controllers[0], args.hosts) + [PY], _env, say)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     results["plot"] = plot(results, out / "scaling.png")
+    written = [results["plot"]] if results["plot"] else []
+    if "sync_vs_async" in results:
+        written += sync_vs_async.write(results["sync_vs_async"], out)
     print(report(results))
-    print(f"wrote {out / 'bench.json'}" + (f" and {results['plot']}" if results["plot"] else ""))
+    print(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in written))
     return 0

@@ -38,11 +38,25 @@ def test_bench_reports_scaling_allreduce_and_keras_baseline(tmp_path):
     assert text.index("bench: scaling gloo 1 worker(s)") < text.index("== throughput")
 
 
-def test_bench_compares_horovod_with_tf_distribute_peers(tmp_path):
-    _, res = _bench(tmp_path, "--controllers", "gloo", "--sections", "peers", "--peer-epochs", "1")
-    for kind in ("horovod", "mwms", "ps"):
-        assert res["peers"][kind].get("samples_per_sec", 0) > 0, res["peers"][kind]
-        assert 0 <= res["peers"][kind]["val_accuracy"] <= 1
+def test_sync_vs_async_runs_every_peer_and_writes_curves_table_and_plots(tmp_path):
+    text, res = _bench(tmp_path, "--sections", "sync-vs-async", "--controllers", "gloo", "--study-tasks", "cnn",
+                       "--study-workers", "2", "--study-seeds", "1", "--study-epochs", "2")
+    runs = res["sync_vs_async"]["runs"]
+    assert [r["peer"] for r in runs] == ["horovod", "mwms", "ps1", "ps2", "ps1-lrxN"]
+    for r in runs:
+        (curve,) = r["curves"]
+        assert curve["samples"] == [1408, 2816]  # every peer: the same samples, 1438 // 64 batches of 64
+        assert len(curve["seconds"]) == 2 and 0 < curve["seconds"][0] < curve["seconds"][1]
+        assert all(0 <= a <= 1 for a in curve["val_accuracy"]) and all(l > 0 for l in curve["val_loss"])
+        assert r["samples_per_sec"] > 0
+        if r["peer"].startswith("ps"):  # every applied gradient counted once, with its staleness
+            assert sum(r["staleness"]["histogram"]) == 2 * 44 and r["staleness"]["max"] >= 0
+        else:
+            assert r["staleness"] is None
+    assert (tmp_path / "sync-vs-async-cnn-2w.png").stat().st_size > 10_000
+    table = (tmp_path / "sync-vs-async.txt").read_text().splitlines()
+    assert table[0].startswith("== sync vs async") and len(table) == 2 + 5
+    assert "== sync vs async" in text and "ps1-lrxN" in text and "sync-vs-async-cnn-2w.png" in text
 
 
 def test_bench_times_startup_on_a_users_own_files_against_the_tfrecord_source(tmp_path):
@@ -52,3 +66,29 @@ def test_bench_times_startup_on_a_users_own_files_against_the_tfrecord_source(tm
     assert st["records"] == 4000 and st["workers"] == 2
     assert all(len(v) == 1 and v[0] > 0 for v in st["startup_s"].values()) and st["ratio"] > 0
     assert "bench: startup own_pipeline" in text and "== start-up, 4000 records" in text
+
+
+def test_bench_compares_hvdtrain_with_horovods_recipe_by_hand_pair_by_pair(tmp_path):
+    text, res = _bench(tmp_path, "--controllers", "gloo", "--sections", "recipe", "--steps", "1",
+                       "--repeats", "1", "--checkpoint-models", "mlp")
+    r = res["recipe"]
+    assert r["workers"] == 2 and r["controller"] == "gloo"
+    (row,) = r["rows"]
+    assert row["model"] == "mlp" and row["steps_per_epoch"] == 50
+    assert all(len(v) == 1 and v[0] > 0 for v in row["samples_per_sec"].values())
+    assert row["ratios"] == [row["samples_per_sec"]["hvdtrain"][0] / row["samples_per_sec"]["recipe"][0]]
+    assert "bench: recipe mlp 2 workers" in text and "== hvdtrain / Horovod's recipe by hand" in text
+
+
+def test_bench_prices_step_checkpoints_from_the_hook_and_the_save(tmp_path):
+    text, res = _bench(tmp_path, "--controllers", "gloo", "--sections", "checkpoint", "--steps", "1",
+                       "--repeats", "1", "--checkpoint-models", "mlp")
+    c = res["checkpoint"]
+    assert c["every"] == 1000 and c["workers"] == 2 and 0 <= c["hook_s"] < 0.01
+    (row,) = c["rows"]
+    assert row["model"] == "mlp" and row["image_size"] == 8 and row["steps_per_epoch"] == 50
+    assert len(row["on_off_ratios"]) == 1 and row["on_off_ratios"][0] > 0
+    assert len(row["save_s"]) == 4 and all(s > 0 for s in row["save_s"])  # each run: 2 epoch ends
+    assert row["cost_at_default"] == row["hook_cost"] + row["save_cost"]
+    assert row["save_cost"] == row["save_s_median"] / 1000 / row["step_s"]
+    assert "bench: checkpoint mlp hook on" in text and "== checkpoint every 1000 steps" in text

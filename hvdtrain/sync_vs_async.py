@@ -15,7 +15,7 @@ Every run records, after each epoch, validation loss and accuracy against traini
 left out) and samples seen; asynchronous runs also count, for every applied gradient, how many
 updates reached the parameter servers between reading the weights it was computed on and applying it
 (its staleness, in updates).
-Writes sync-vs-async.json, one PNG per (task, workers) and a table.
+Its results go into bench.json; it writes sync-vs-async.txt (the table) and one PNG per (task, workers).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 BATCH = 32  # per worker, and per asynchronous update
-LR = {"cnn": 0.01, "wide": 0.01}  # per batch of 32; synchronous peers scale it by N
+LR = 0.01  # per batch of 32, both tasks; synchronous peers scale it by N
 PEERS = ("horovod", "mwms", "ps1", "ps2", "ps1-lrxN")
 MAX_LAG = 64  # staleness histogram: 0..63, the last bin counting 63 and more
 
@@ -50,8 +50,8 @@ def _builder(task):
 # ---------------------------------------------------------------- the driver (in `hvdtrain bench`)
 
 def study(args, out: Path, run, launcher, env, say) -> dict:
-    """run(cmd, timeout), launcher(n) (horovodrun ... python), env(extra) and say(line) are the bench's."""
-    """Every (task, workers, peer): one launch; hvdtrain one per seed (it is run as users run it)."""
+    """Every (task, workers, peer): one launch; hvdtrain one per seed (it is run as users run it).
+    run(cmd, timeout), launcher(n) (horovodrun ... python), env(extra) and say(line) are the bench's."""
     results = {"epochs": args.study_epochs, "seeds": args.study_seeds, "batch_per_worker": BATCH,
                "lr_per_batch": LR, "runs": []}
     for task in args.study_tasks:
@@ -74,7 +74,7 @@ def study(args, out: Path, run, launcher, env, say) -> dict:
 def _horovod(args, run_dir, task, n, seed, run, launcher) -> dict:
     model = "cnn" if task == "cnn" else "hvdtrain.sync_vs_async:wide_mlp"
     flags = ["--model", model, "--data", "digits", "--epochs", str(args.study_epochs), "--batch-size",
-             str(BATCH), "--optimizer", "momentum", "--lr", str(LR[task]), "--warmup-epochs", "0",
+             str(BATCH), "--optimizer", "momentum", "--lr", str(LR), "--warmup-epochs", "0",
              "--seed", str(seed), "--threads", "1", "--checkpoint-every", "0", "--checkpoint-every-steps", "0",
              "--no-keep-best", "--no-tensorboard", "--no-save-model", "--no-worker-logs", "--verbose", "0",
              "--no-auto-resume"]
@@ -201,7 +201,7 @@ def _train(strategy, peer, task, n, seed, epochs) -> dict:
     tf.keras.utils.set_random_seed(seed)
     x, y, xv, yv = data._digits(config.Config(), None, True)
     sync = peer == "mwms"
-    lr = LR[task] * (n if sync or peer.endswith("lrxN") else 1)
+    lr = LR * (n if sync or peer.endswith("lrxN") else 1)
     # the same samples per epoch as the synchronous peers: whole global batches of N x 32
     steps = len(x) // (BATCH * n) * (1 if sync else n)
     build = _builder(task)

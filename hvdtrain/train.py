@@ -115,6 +115,7 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
     cfg, trainer = agree(compile_for_training, model, cfg, world)
     for note in ([] if elastic else data.notes) + trainer.notes:
         log.info(note)
+    _say_if_step_checkpoints_cannot_resume(cfg, data)
     ckpts = Checkpoints(cfg, model)
     startup_s = time.time() - t0  # launch to the first step: data found, counted and sharded, model built
     try:
@@ -355,16 +356,30 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
     return history, epoch_end
 
 
+def _unreplayable(data) -> str | None:
+    """Why the data cannot give an epoch's order again from a step inside it (None: they can)."""
+    return data.unrepeatable or ("it is one stream across epochs" if data.epoch is None else None)
+
+
 def replayable_step(cfg: Config, data, first_epoch: int, first_step: int) -> int:
     """The step a resume inside an epoch continues at: first_step, or 0 (the epoch restarts, and the
     log says why) when the data cannot give that epoch's order again from there."""
-    if first_step and (data.unrepeatable or data.epoch is None or first_step >= data.steps_per_epoch):
-        why = data.unrepeatable or ("it is one stream across epochs" if data.epoch is None else
-                                    f"the epoch now has {data.steps_per_epoch} steps")
+    why = _unreplayable(data) or (f"the epoch now has {data.steps_per_epoch} steps"
+                                  if first_step >= data.steps_per_epoch else None)
+    if first_step and why:
         log.info("resuming inside epoch %d: %s cannot continue at step %d, because %s; the epoch "
                  "restarts from its first step", first_epoch + 1, cfg.data, first_step + 1, why)
         return 0
     return first_step
+
+
+def _say_if_step_checkpoints_cannot_resume(cfg: Config, data):
+    """Before any crash: checkpoints inside an epoch that a resume could not continue from."""
+    inside = cfg.checkpoint_every_minutes or 0 < cfg.checkpoint_every_steps < data.steps_per_epoch
+    why = _unreplayable(data)
+    if inside and why:
+        log.info("checkpoints inside an epoch: a resume cannot continue %s where it stopped, because %s; "
+                 "it would restart that epoch from its first step", cfg.data, why)
 
 
 def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch: int, trainer: Trainer,

@@ -137,6 +137,8 @@ def test_a_resume_that_cannot_be_replayed_says_why_and_what_to_change(tmp_path):
     flags = ("--model", "user_models:dropout_mlp", "--data", "user_data:digits_batched", "--epochs", "1",
              "--checkpoint-every-steps", "5", "--keep-checkpoints", "10")
     train(1, None, tmp_path / "a", *flags)
+    assert ("checkpoints inside an epoch: a resume cannot continue user_data:digits_batched where it stopped, "
+            "because it reshuffles every epoch") in (tmp_path / "a" / "logs" / "rank0.log").read_text()
     proc = subprocess.run(command(1, None, ["-m", "hvdtrain", "--output-dir", str(tmp_path / "b"), *flags,
                                             "--resume", str(tmp_path / "a" / "checkpoints" / "ckpt-0-step-10")]),
                           cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -56,11 +56,13 @@ def _run(cmd, timeout, env=None):
     return proc.stdout
 
 
-def _launcher(n: int, controller: str, hosts: str | None):
-    where = hosts or f"localhost:{n}"
+def _python(n: int, controller: str, hosts: str | None):
+    """The command that starts this python on n workers (itself, for one)."""
+    if n == 1:
+        return [PY]
     if controller == "mpirun":
-        return ["mpirun", "-np", str(n), "--bind-to", "none", "-x", "TF_CPP_MIN_LOG_LEVEL", "-x", "PATH"]
-    return [str(BIN / "horovodrun"), "-np", str(n), "-H", where, f"--{controller}"]
+        return ["mpirun", "-np", str(n), "--bind-to", "none", "-x", "TF_CPP_MIN_LOG_LEVEL", "-x", "PATH", PY]
+    return [str(BIN / "horovodrun"), "-np", str(n), "-H", hosts or f"localhost:{n}", f"--{controller}", PY]
 
 
 # ---------------------------------------------------------------- throughput scaling
@@ -80,7 +82,7 @@ def scaling(args, out: Path) -> dict:
     for controller in args.controllers:
         for n in args.workers:
             run_dir = out / f"scaling-{controller}-{n}"
-            cmd = ([PY] if n == 1 else _launcher(n, controller, args.hosts) + [PY]) + \
+            cmd = _python(n, controller, args.hosts) + \
                 ["-m", "hvdtrain", "--output-dir", str(run_dir), *train_flags(args, args.steps)]
             _run(cmd, timeout=args.timeout)
             s = json.loads((run_dir / "summary.json").read_text())
@@ -165,8 +167,8 @@ def allreduce(args) -> list:
         n = max(args.workers)
         if n < 2:
             continue
-        launcher = _launcher(n, "mpirun" if controller == "mpi" else controller, args.hosts)
-        out = _run(launcher + [PY, "-m", "hvdtrain", "bench", "--worker", "allreduce",
+        python = _python(n, "mpirun" if controller == "mpi" else controller, args.hosts)
+        out = _run(python + ["-m", "hvdtrain", "bench", "--worker", "allreduce",
                                "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes)],
                    timeout=args.timeout)
         line = next(l for l in out.splitlines() if "BENCH " in l)
@@ -218,6 +220,18 @@ def keras_worker(args) -> int:
 
 # ---------------------------------------------------------------- against Horovod's recipe by hand
 
+# per built-in model: (image size, steps per epoch in units of --steps), so that a run of each takes
+# about as long: the MLP on 8x8 inputs and the CNN on 16x16 (digits-like), ResNet-50 on 32x32
+MODEL_SIZES = {"mlp": (8, 50), "cnn": (16, 5), "resnet50": (32, 0.5)}
+
+
+def _sized(args, model: str):
+    """(image size, steps per epoch, hvdtrain's flags) of a model at its MODEL_SIZES."""
+    size, per = MODEL_SIZES.get(model, (args.image_size, 1))
+    steps = max(1, round(per * args.steps))
+    return size, steps, train_flags(argparse.Namespace(**{**vars(args), "model": model, "image_size": size}), steps)
+
+
 def recipe(args, out: Path) -> dict:
     """hvdtrain against hvdtrain/horovod_recipe.py (Horovod's Keras example, by hand), the same model,
     synthetic data, batch, optimizer (Adam, lr 0.001 x workers after a 1-epoch warm-up) and thread
@@ -225,21 +239,18 @@ def recipe(args, out: Path) -> dict:
     import numpy as np
 
     n, rows = max(args.workers), []
-    launch = lambda: [PY] if n == 1 else _launcher(n, args.controllers[0], args.hosts) + [PY]
+    python = _python(n, args.controllers[0], args.hosts)
     for model in args.checkpoint_models:
-        size, per = MODEL_SIZES.get(model, (args.image_size, 1))
-        steps = max(1, round(per * args.steps))
+        size, steps, flags = _sized(args, model)
         runs = {"hvdtrain": [], "recipe": []}
         for rep in range(args.repeats):
             run_dir = out / f"recipe-{model}-hvdtrain-{rep}"
-            flags = train_flags(argparse.Namespace(**{**vars(args), "model": model, "image_size": size}), steps)
-            flags[flags.index("--optimizer") + 1] = "adam"
-            _run(launch() + ["-m", "hvdtrain", "--output-dir", str(run_dir), "--no-auto-resume", *flags,
-                             "--lr", "0.001"], timeout=args.timeout)
+            _run(python + ["-m", "hvdtrain", "--output-dir", str(run_dir), "--no-auto-resume", *flags,
+                           "--optimizer", "adam", "--lr", "0.001"], timeout=args.timeout)
             runs["hvdtrain"].append(json.loads((run_dir / "summary.json").read_text())["samples_per_sec_total"])
-            text = _run(launch() + ["-m", "hvdtrain.horovod_recipe", "--model", model, "--image-size", str(size),
-                                    "--batch-size", str(args.batch_size), "--steps", str(steps),
-                                    "--threads", str(args.threads)], timeout=args.timeout)
+            text = _run(python + ["-m", "hvdtrain.horovod_recipe", "--model", model, "--image-size", str(size),
+                                  "--batch-size", str(args.batch_size), "--steps", str(steps),
+                                  "--threads", str(args.threads)], timeout=args.timeout)
             # rank 0's Keras progress bar (verbose=1, as in the recipe) may share the line
             ranks = [json.loads(m) for m in re.findall(r"RECIPE (\{[^}]*\})", text)]
             if len(ranks) != n:
@@ -280,7 +291,7 @@ def startup(args, out: Path) -> dict:
     for rep in range(args.repeats):
         for kind, source in sources.items():
             run_dir = out / f"startup-{kind}-{rep}"
-            cmd = ([PY] if n == 1 else _launcher(n, args.controllers[0], args.hosts) + [PY]) + [
+            cmd = _python(n, args.controllers[0], args.hosts) + [
                 "-m", "hvdtrain", "--output-dir", str(run_dir), "--no-auto-resume", "--model", "mlp",
                 "--data", source, "--val-split", "0", "--epochs", "1", "--steps-per-epoch", "1",
                 "--threads", str(args.threads), "--checkpoint-every", "0", "--no-keep-best", "--no-tensorboard",
@@ -295,9 +306,6 @@ def startup(args, out: Path) -> dict:
 
 # ---------------------------------------------------------------- the cost of step checkpoints
 
-# per built-in model: (image size, steps per epoch in units of --steps), so that a run of each takes
-# about as long: the MLP on 8x8 inputs and the CNN on 16x16 (digits-like), ResNet-50 on 32x32
-MODEL_SIZES = {"mlp": (8, 50), "cnn": (16, 5), "resnet50": (32, 0.5)}
 
 
 def checkpoint_cost(args, out: Path) -> dict:
@@ -319,18 +327,15 @@ def checkpoint_cost(args, out: Path) -> dict:
     say(f"checkpoint hook: {hook_s * 1e6:.1f} us a step")
     rows = []
     for model in args.checkpoint_models:
-        size, per = MODEL_SIZES.get(model, (args.image_size, 1))
-        steps = max(1, round(per * args.steps))
+        size, steps, flags = _sized(args, model)
         runs, saves = {"off": [], "on": []}, []
         for rep in range(args.repeats):
             for kind in runs:
                 run_dir = out / f"checkpoint-{model}-{kind}-{rep}"
-                flags = train_flags(argparse.Namespace(**{**vars(args), "model": model, "image_size": size}), steps)
-                flags[flags.index("--checkpoint-every") + 1] = "1"
-                cmd = ([PY] if n == 1 else _launcher(n, args.controllers[0], args.hosts) + [PY]) + \
-                    ["-m", "hvdtrain", "--output-dir", str(run_dir), "--no-auto-resume", *flags,
-                     "--checkpoint-every-steps", str(2 * steps + 1 if kind == "on" else 0)]
-                _run(cmd, timeout=args.timeout)
+                _run(_python(n, args.controllers[0], args.hosts) + [
+                    "-m", "hvdtrain", "--output-dir", str(run_dir), "--no-auto-resume", *flags,
+                    "--checkpoint-every", "1", "--checkpoint-every-steps", str(2 * steps + 1 if kind == "on" else 0)],
+                    timeout=args.timeout)
                 s = json.loads((run_dir / "summary.json").read_text())
                 runs[kind].append(s["samples_per_sec_total"])
                 saves += s["checkpoint_save_s"]
@@ -532,7 +537,7 @@ def main(argv) -> int:
         results["checkpoint"] = checkpoint_cost(args, out)
     if "sync-vs-async" in args.sections:
         results["sync_vs_async"] = sync_vs_async.study(
-            args, out, _run, lambda n: _launcher(n, args.controllers[0], args.hosts) + [PY], _env, say)
+            args, out, _run, lambda n: _python(n, args.controllers[0], args.hosts), _env, say)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     results["plot"] = plot(results, out / "scaling.png")
     written = [results["plot"]] if results["plot"] else []

@@ -566,9 +566,9 @@ _SHARDABLE_READERS = {"TFRecordDataset", "TextLineDataset", "FixedLengthRecordDa
 _READERS = _SHARDABLE_READERS | {"CSVDataset", "SqlDataset"}
 
 
-def _file_readers(ds, names=_READERS) -> set:
-    """The file readers (or other datasets of `names`) in a pipeline's graph, including those inside
-    interleave/flat_map functions."""
+def _in_graph(ds, names=_READERS) -> set:
+    """Which datasets of `names` (by default: file readers) a pipeline's graph holds, including
+    inside interleave/flat_map functions."""
     import re
 
     graph = ds._as_serialized_graph().numpy()
@@ -599,13 +599,13 @@ def shard(ds, rank: int, workers: int):
     by_element = (ds.shard(workers, rank), reader.shard(workers, rank), "element")
     if policy == tf.data.experimental.AutoShardPolicy.DATA:
         return (*by_element, None)
-    reads = _file_readers(ds)
+    reads = _in_graph(ds)
     # asked anyway, TensorFlow's rewrite logs a 100-line error before it gives up
     if not reads & _SHARDABLE_READERS:
         why = (f"its reader ({', '.join(sorted(reads))}) cannot be sharded by file by TensorFlow: sharded "
                f"by element instead, so every worker reads every file") if reads else None
         return (*by_element, why)
-    if _file_readers(ds, {"RangeDataset"}):  # a source the rewrite cannot walk past
+    if _in_graph(ds, {"RangeDataset"}):  # a source the rewrite cannot walk past
         return (*by_element, "it numbers its elements (enumerate, as --val-split does), which TensorFlow "
                              "cannot shard by file: sharded by element instead, so every worker reads every file")
     try:

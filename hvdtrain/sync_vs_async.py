@@ -19,6 +19,7 @@ Its results go into bench.json; it writes sync-vs-async.txt (the table) and one 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .config import UserError
 
 BATCH = 32  # per worker, and per asynchronous update
 LR = 0.01  # per batch of 32, both tasks; synchronous peers scale it by N
@@ -81,7 +84,7 @@ def _horovod(args, run_dir, task, n, seed, run, launcher) -> dict:
     run(launcher(n) + ["-m", "hvdtrain", "--output-dir", str(run_dir), *flags], timeout=args.timeout)
     s = json.loads((run_dir / "summary.json").read_text())
     h, samples = s["history"], s["steps_per_epoch"] * s["global_batch_size"]
-    seconds = list(_cumsum(h["epoch_seconds"]))
+    seconds = list(itertools.accumulate(h["epoch_seconds"]))
     return {"seed": seed, "samples_per_epoch": samples, "seconds": seconds,
             "samples": [samples * (e + 1) for e in range(len(seconds))],
             "val_loss": h["val_loss"], "val_accuracy": h["val_accuracy"], "staleness": None}
@@ -113,8 +116,6 @@ def _tf_distribute(args, task, n, peer, env) -> list:
             p.kill()
             p.wait()
     if "RESULT " not in text:
-        from .config import UserError
-
         raise UserError(f"sync-vs-async {peer} at {n} workers failed: {text[-2000:]}")
     return json.loads(text.split("RESULT ", 1)[1].splitlines()[0])
 
@@ -127,13 +128,6 @@ def _free_ports(k):
     for s in socks:
         s.close()
     return ports
-
-
-def _cumsum(values):
-    total = 0.0
-    for v in values:
-        total += v
-        yield total
 
 
 def _summary(curves) -> dict:

@@ -75,7 +75,8 @@ class Config:
     steps_per_execution: Optional[int] = _f(None, "training steps per call of the compiled step (Keras); "
                                                   "more amortizes Python overhead for small models; "
                                                   "default: the model's compile, else 1")
-    jit_compile: Optional[bool] = _f(None, "compile the training step with XLA (worth trying on GPUs); "
+    jit_compile: Optional[bool] = _f(None, "compile the training step with XLA (GPU workers only: Horovod "
+                                           "has XLA kernels for its allreduce only there); "
                                            "default: the model's compile, else off")
     # checkpoints
     checkpoint_every: int = _f(1, "write a checkpoint every N epochs and at the end (0: never)")
@@ -90,6 +91,8 @@ class Config:
     backward_passes_per_step: int = _f(1, "micro-batches accumulated per update (effective batch = "
                                           "batch_size x passes x workers)")
     compression: str = _f("none", "gradient compression for the allreduce: none or fp16")
+    allreduce_groups: int = _f(0, "split the gradients into N groups, each allreduced as soon as all of "
+                                  "its gradients are ready (Horovod's num_groups; 0: Horovod's fusion alone)")
     reduction: str = _f("average", "gradient reduction: average (ring-allreduce) or adasum")
     sparse_as_dense: bool = _f(False, "allreduce sparse gradients (embeddings) as dense tensors")
     clip_norm: Optional[float] = _f(None, "clip the averaged gradient to this global norm")
@@ -147,7 +150,7 @@ class Config:
             raise UserError(f"--synthetic-shape must be positive, got {list(self.synthetic_shape)}")
         if self.checkpoint_every_minutes is not None and not self.checkpoint_every_minutes > 0:
             raise UserError(f"--checkpoint-every-minutes must be positive, got {self.checkpoint_every_minutes}")
-        for name in ("checkpoint_every", "checkpoint_every_steps", "early_stopping_patience"):
+        for name in ("checkpoint_every", "checkpoint_every_steps", "early_stopping_patience", "allreduce_groups"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         for name, allowed in (("compression", ("none", "fp16")), ("reduction", ("average", "adasum")),
@@ -166,6 +169,9 @@ class Config:
         for name in ("fusion_threshold_mb", "cycle_time_ms", "stall_check_seconds", "stall_shutdown_seconds"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise UserError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+        if self.allreduce_groups and self.reduction == "adasum":
+            raise UserError("--allreduce-groups groups Horovod's ring-allreduce; --reduction adasum "
+                            "reduces each gradient on its own")
         if self.elastic and self.reduction == "adasum":
             raise UserError("--elastic runs on the Gloo controller and --reduction adasum needs MPI; "
                             "drop one of them")
@@ -222,6 +228,8 @@ class Config:
             env["HOROVOD_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_mb * 1024 * 1024))
         if self.cycle_time_ms:
             env["HOROVOD_CYCLE_TIME"] = str(self.cycle_time_ms)
+        if self.jit_compile:
+            env["HOROVOD_ENABLE_XLA_OPS"] = "1"  # Horovod's XLA kernels (GPU builds), for the allreduce
         if self.autotune:
             env["HOROVOD_AUTOTUNE"] = "1"
             env["HOROVOD_AUTOTUNE_LOG"] = os.path.abspath(os.path.join(self.run_dir, "autotune.csv"))

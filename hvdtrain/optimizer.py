@@ -100,7 +100,8 @@ def distributed(opt, cfg: Config):
         op=hvd_ops.Average,
         backward_passes_per_step=cfg.backward_passes_per_step,
         average_aggregated_gradients=True,
-        sparse_as_dense=cfg.sparse_as_dense)
+        sparse_as_dense=cfg.sparse_as_dense,
+        num_groups=cfg.allreduce_groups)
     _reduce_in_apply_too(dist)
     return dist
 

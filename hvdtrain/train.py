@@ -145,7 +145,9 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
         "global_batch_size": data.batch_size * world.size * cfg.backward_passes_per_step,
         "data": {"sharding": data.sharding, "samples": data.num_samples,
                  "validation": data.val is not None},
-        "model": {"name": model.name, "loss": trainer.loss},
+        "model": {"name": model.name, "loss": trainer.loss,
+                  # what every step allreduces (bench: compute time against bytes / bandwidth)
+                  "gradient_bytes": sum(v.shape.num_elements() * v.dtype.size for v in model.trainable_variables)},
         "optimizer": {**trainer.optimizer, "lr_scaled": trainer.peak_lr(world)},
         "metrics": {k: float(v[-1]) for k, v in history.history.items()},
         # every epoch of this run: its metrics, and its training time (validation left out)
@@ -196,6 +198,7 @@ def compile_for_training(model, cfg: Config, world: runtime.World):
     """Compile `model` as its user did (or as the flags say), with the optimizer scaled and wrapped;
     returns (cfg with the one-worker lr it trains with, Trainer)."""
     plan = models.compile_plan(model, cfg)
+    _xla_only_where_horovod_has_it(plan, cfg, world)
     opt, info, notes = optimizer.choose(cfg, plan.optimizer)
     cfg = dataclasses.replace(cfg, lr=info["lr"] if info["lr"] is not None else cfg.lr)
     model.compile(optimizer=optimizer.distributed(opt, cfg), **plan.kwargs)
@@ -206,6 +209,20 @@ def compile_for_training(model, cfg: Config, world: runtime.World):
     log.info("%s: loss %s; %s from %s, lr %s for one worker", model.name, plan.loss, info["class"],
              info["source"], "a schedule" if info["lr"] is None else f"{info['lr']:g}")
     return cfg, Trainer(learning_rate, info, plan.loss, plan.notes + notes, cfg)
+
+
+def _xla_only_where_horovod_has_it(plan, cfg: Config, world: runtime.World):
+    """XLA compiles the whole step, Horovod's allreduce included, and Horovod 0.28.1 has XLA kernels for
+    its ops only on GPUs (behind HOROVOD_ENABLE_XLA_OPS=1, which --jit-compile sets): on CPU workers
+    the step fails to compile at the first batch, at one worker too (the allreduce sits in a cond)."""
+    if not plan.kwargs.get("jit_compile") or world.device.startswith("GPU"):
+        return
+    if cfg.jit_compile:
+        raise UserError("--jit-compile: XLA cannot compile Horovod's allreduce on CPU workers (Horovod has "
+                        "XLA kernels for GPUs only); drop --jit-compile")
+    plan.kwargs["jit_compile"] = False
+    plan.notes.append("the model was compiled with jit_compile=True: XLA is off, since it cannot compile "
+                      "Horovod's allreduce on CPU workers (Horovod has XLA kernels for GPUs only)")
 
 
 def _finished_run(cfg: Config):
@@ -404,7 +421,10 @@ def _report_training_failure(e, where: str, world, workers):
     Horovod gives every other rank the same words whether a peer died or a peer's own step raised (and
     that peer reports why), so a survivor looks: a peer on this host whose process is gone died."""
     text = str(e)
-    horovod = "horovod" in f"{type(e).__module__} {text}".lower()
+    # a peer's failure reaches this rank as Horovod's shutdown; an invalid step (one that XLA cannot
+    # compile, say) is this rank's own, even where its text names Horovod's ops
+    horovod = "horovod" in f"{type(e).__module__} {text}".lower() and \
+        type(e).__name__ != "InvalidArgumentError"
     if horovod and world.size > 1:
         host = socket.gethostname()
         table = ", ".join(f"rank {r} on {h} (pid {p})" for r, (h, p) in enumerate(workers))

@@ -27,6 +27,8 @@ CASES = {
     "zero learning rate": (["--lr", "0"], "--lr must be positive, got 0.0"),
     "data smaller than one global batch": (["--data", "digits", "--batch-size", "1000"],
                                            "is fewer than workers x batch size"),
+    "XLA on CPU workers": (["--model", "mlp", "--jit-compile"],
+                           "--jit-compile: XLA cannot compile Horovod's allreduce on CPU workers"),
     "model module that does not import": (["--model", "no_such_pkg.models:build"],
                                           "cannot import module 'no_such_pkg.models'"),
     "data function that does not exist": (["--data", "json:no_such_function"],

@@ -85,6 +85,14 @@ def test_compression_and_adasum_train_and_keep_ranks_identical(launcher, flags, 
     assert s["metrics"]["val_accuracy"] > 0.85
 
 
+def test_grouped_allreduce_gives_the_weights_of_the_ungrouped_one(tmp_path):
+    """Groups change when each gradient is sent, not what is summed: two ranks' average is exact."""
+    grouped = train(2, "mpi", tmp_path / "grouped", *EXACT, "--epochs", "2", "--allreduce-groups", "3")
+    train(2, "mpi", tmp_path / "fused", *EXACT, "--epochs", "2")
+    assert grouped["config"]["allreduce_groups"] == 3 and len(set(grouped["weights_sha256_by_rank"])) == 1
+    assert _max_diff(tmp_path / "grouped", tmp_path / "fused") == 0.0
+
+
 def test_sparse_embedding_gradients_allreduced_as_dense_in_the_example(out):
     s = train(2, "gloo", out, "--config", "examples/text_classifier.yaml")
     assert s["config"]["sparse_as_dense"] is True and len(set(s["weights_sha256_by_rank"])) == 1

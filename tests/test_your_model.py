@@ -25,6 +25,13 @@ def _same_weights_on_every_rank(summary):
     return len(summary["weights_sha256_by_rank"]) == 2 and len(set(summary["weights_sha256_by_rank"])) == 1
 
 
+def test_a_model_compiled_for_xla_trains_on_cpu_workers_with_xla_off_and_says_so(out):
+    s = train(2, "mpirun", out, "--model", "user_models:xla_regression", "--data", "user_data:diabetes",
+              "--epochs", "2")
+    assert "compiled with jit_compile=True: XLA is off" in (out / "logs" / "rank0.log").read_text()
+    assert s["model"]["loss"] == "mse (model.compile)" and _same_weights_on_every_rank(s)
+
+
 def test_regression_on_diabetes_beats_predicting_the_mean(out):
     s = train(2, "mpirun", out, "--model", "user_models:regression", "--data", "user_data:diabetes",
               "--epochs", "30")

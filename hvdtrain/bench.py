@@ -1,7 +1,11 @@
 """`hvdtrain bench`: how fast, how well it scales, and against what, measured in one run.
 
   scaling     the same model at 1..N workers: samples/s per worker and in total, and the scaling
-              efficiency total(N) / (N x one worker), every worker at the same thread budget
+              efficiency total(N) / (N x one worker), every worker at the same thread budget; beside
+              it the limit with no overlap: compute / (compute + gradient bytes / allreduce bandwidth)
+  levers      Horovod's and Keras' levers one at a time against hvdtrain's defaults (fp16 compression,
+              fusion buffer, cycle time, grouped allreduce, MPI binding; steps per execution), with one
+              worker in every round: efficiency and the ratio to the defaults
   allreduce   hvd.allreduce bus bandwidth over sizes, beside mpi4py's Allreduce and a memcpy (the
               ceiling), busbw = algbw x 2(n-1)/n as nccl-tests define it
   baseline    hvdtrain at 1 worker against a plain Keras model.fit of the same model and data
@@ -56,13 +60,27 @@ def _run(cmd, timeout, env=None):
     return proc.stdout
 
 
-def _python(n: int, controller: str, hosts: str | None):
-    """The command that starts this python on n workers (itself, for one)."""
+def _python(n: int, controller: str, hosts: str | None, binding: str | None = None):
+    """The command that starts this python on n workers (itself, for one). binding: MPI's process
+    binding (horovodrun's --binding-args; its default and ours binds nothing)."""
     if n == 1:
         return [PY]
     if controller == "mpirun":
-        return ["mpirun", "-np", str(n), "--bind-to", "none", "-x", "TF_CPP_MIN_LOG_LEVEL", "-x", "PATH", PY]
-    return [str(BIN / "horovodrun"), "-np", str(n), "-H", hosts or f"localhost:{n}", f"--{controller}", PY]
+        return ["mpirun", "-np", str(n), *(binding or "--bind-to none").split(), "-x", "TF_CPP_MIN_LOG_LEVEL",
+                "-x", "PATH", PY]
+    return [str(BIN / "horovodrun"), "-np", str(n), "-H", hosts or f"localhost:{n}", f"--{controller}",
+            *(["--binding-args", binding] if binding else []), PY]
+
+
+def _controller(args) -> str:
+    """The one controller of the sections that compare at a fixed set-up: MPI where it is asked for."""
+    return "mpi" if "mpi" in args.controllers else args.controllers[0]
+
+
+def _train(python, run_dir: Path, flags, timeout, env=None) -> dict:
+    """One hvdtrain run from scratch; its summary.json."""
+    _run(python + ["-m", "hvdtrain", "--output-dir", str(run_dir), "--no-auto-resume", *flags], timeout, env)
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 # ---------------------------------------------------------------- throughput scaling
@@ -77,24 +95,98 @@ def train_flags(args, steps: int):
             "--no-worker-logs", "--verbose", "0"]
 
 
-def scaling(args, out: Path) -> dict:
+def scaling(args, out: Path, allreduce_runs=()) -> dict:
+    """Every worker count and controller once per round, rounds interleaved; efficiency per round.
+    The limit at N workers: one worker's step (compute) against the step's gradient bytes over the
+    allreduce bandwidth measured at N workers (the allreduce section), with no overlap."""
+    import numpy as np
+
+    runs, gradient_bytes = {}, None
+    for rep in range(args.repeats):
+        for controller in args.controllers:
+            for n in args.workers:
+                s = _train(_python(n, controller, args.hosts), out / f"scaling-{controller}-{n}-{rep}",
+                           train_flags(args, args.steps), args.timeout)
+                runs.setdefault((controller, n), []).append(s["samples_per_sec_total"])
+                gradient_bytes = s["model"]["gradient_bytes"]
+                say(f"scaling {controller} {n} worker(s): {s['samples_per_sec_total']:.1f} samples/s")
     rows = []
-    for controller in args.controllers:
-        for n in args.workers:
-            run_dir = out / f"scaling-{controller}-{n}"
-            cmd = _python(n, controller, args.hosts) + \
-                ["-m", "hvdtrain", "--output-dir", str(run_dir), *train_flags(args, args.steps)]
-            _run(cmd, timeout=args.timeout)
-            s = json.loads((run_dir / "summary.json").read_text())
-            rows.append({"controller": controller, "workers": n,
-                         "samples_per_sec_total": s["samples_per_sec_total"],
-                         "samples_per_sec_per_worker": s["samples_per_sec_per_worker"]})
-            say(f"scaling {controller} {n} worker(s): {s['samples_per_sec_total']:.1f} samples/s")
-    for r in rows:
-        one = next((x for x in rows if x["workers"] == 1 and x["controller"] == r["controller"]), None)
-        if one and one["samples_per_sec_total"]:
-            r["efficiency"] = r["samples_per_sec_total"] / (r["workers"] * one["samples_per_sec_total"])
+    for (controller, n), samples in runs.items():
+        row = {"controller": controller, "workers": n, "samples_per_sec_runs": samples,
+               "samples_per_sec_total": float(np.median(samples))}
+        one = runs.get((controller, 1))
+        if one:
+            row["efficiency_runs"] = [t / (n * o) for t, o in zip(samples, one)]
+            row["efficiency"] = float(np.median(row["efficiency_runs"]))
+            bandwidth = _allreduce_GBps(allreduce_runs, controller, n, gradient_bytes)
+            if n > 1 and bandwidth:
+                compute = args.batch_size / float(np.median(one))
+                row.update(compute_s=compute, allreduce_GBps=bandwidth,
+                           allreduce_s=gradient_bytes / bandwidth / 1e9)
+                row["limit_no_overlap"] = compute / (compute + row["allreduce_s"])
+        rows.append(row)
     return {"model": args.model, "image_size": args.image_size, "batch_size_per_worker": args.batch_size,
+            "threads_per_worker": args.threads, "gradient_bytes": gradient_bytes, "rows": rows}
+
+
+def _allreduce_GBps(allreduce_runs, controller: str, n: int, size: int):
+    """hvd.allreduce's algorithm bandwidth (bytes / time) at the measured size nearest `size`."""
+    import math
+
+    for run in allreduce_runs:
+        if run["controller"] == controller and run["workers"] == n and size:
+            row = min(run["rows"], key=lambda r: abs(math.log(r["bytes"] / size)))
+            return row["horovod_algbw_GBps"]
+    return None
+
+
+# ---------------------------------------------------------------- levers, one at a time
+
+# name: (hvdtrain flags, MPI binding); each measured alone against hvdtrain's defaults
+LEVERS = {
+    "defaults": ((), None),
+    "fp16": (("--compression", "fp16"), None),  # half the bytes on the wire
+    "fusion-16mb": (("--fusion-threshold-mb", "16"), None),  # smaller buffers, sent sooner (Horovod: 128)
+    "cycle-5ms": (("--cycle-time-ms", "5"), None),  # fewer, fuller cycles (Horovod: 1 ms)
+    "groups-4": (("--allreduce-groups", "4"), None),  # each quarter of the gradients sent when ready
+    "bind-cores": ((), "-bind-to core -map-by core"),  # each rank on its own core (ours: unbound)
+    "spe-10": (("--steps-per-execution", "10"), None),  # Keras: 10 steps per call of the step
+}
+# each model's levers: the allreduce's for the one whose gradients are large, the per-step overhead's
+# for the one whose steps take milliseconds
+LEVER_SETS = {"resnet50": ["defaults", "fp16", "fusion-16mb", "cycle-5ms", "groups-4", "bind-cores"],
+              "mlp": ["defaults", "spe-10"], "cnn": ["defaults", "spe-10"]}
+
+
+def levers(args, out: Path) -> dict:
+    """Each lever alone at the most workers, one round at a time: one worker at the defaults, then the
+    defaults and every lever at N (A B C ... A B C ...); per round, the efficiency against that
+    round's one worker and the ratio to that round's defaults."""
+    n, controller, rows = max(args.workers), _controller(args), []
+    unknown = set(args.levers or ()) - set(LEVERS)
+    if unknown:
+        raise UserError(f"bench: unknown lever(s) {', '.join(sorted(unknown))}; choose from {', '.join(LEVERS)}")
+    for model in args.lever_models:
+        size, steps, flags = _sized(args, model)
+        names = args.levers or LEVER_SETS.get(model, list(LEVERS))
+        names = names if "defaults" in names else ["defaults", *names]
+        one, runs = [], {name: [] for name in names}
+        for rep in range(args.repeats):
+            one.append(_train([PY], out / f"levers-{model}-one-{rep}", flags, args.timeout)["samples_per_sec_total"])
+            for name in names:
+                extra, binding = LEVERS[name]
+                s = _train(_python(n, controller, args.hosts, binding),
+                           out / f"levers-{model}-{name}-{rep}", [*flags, *extra],
+                           args.timeout)
+                runs[name].append(s["samples_per_sec_total"])
+                say(f"levers {model} {name}: {runs[name][-1]:.1f} samples/s at {n} workers "
+                    f"({runs[name][-1] / (n * one[-1]):.1%} of {n} x {one[-1]:.1f})")
+        for name in names:
+            rows.append({"model": model, "image_size": size, "steps_per_epoch": steps, "lever": name,
+                         "samples_per_sec": runs[name], "one_worker": one,
+                         "efficiency": [t / (n * o) for t, o in zip(runs[name], one)],
+                         "vs_defaults": [t / d for t, d in zip(runs[name], runs["defaults"])]})
+    return {"workers": n, "controller": controller, "batch_size_per_worker": args.batch_size,
             "threads_per_worker": args.threads, "rows": rows}
 
 
@@ -181,16 +273,21 @@ def allreduce(args) -> list:
 # ---------------------------------------------------------------- 1 worker against plain Keras
 
 def keras_baseline(args, out: Path) -> dict:
-    steps = args.steps
-    run_dir = out / "baseline-hvdtrain"
-    _run([PY, "-m", "hvdtrain", "--output-dir", str(run_dir), *train_flags(args, steps)], timeout=args.timeout)
-    ours = json.loads((run_dir / "summary.json").read_text())["samples_per_sec_total"]
-    plain = _run([PY, "-m", "hvdtrain", "bench", "--worker", "keras", "--model", args.model,
-                  "--image-size", str(args.image_size), "--batch-size", str(args.batch_size),
-                  "--steps", str(steps), "--threads", str(args.threads)], timeout=args.timeout)
-    keras = json.loads(plain.split("BENCH ", 1)[1].splitlines()[0])["samples_per_sec"]
-    say(f"1 worker: hvdtrain {ours:.1f}, plain Keras {keras:.1f} samples/s")
-    return {"hvdtrain_1_worker": ours, "plain_keras_fit": keras, "ratio": ours / keras if keras else None}
+    """hvdtrain at one worker, then plain Keras, in interleaved pairs; the ratio of each pair."""
+    import numpy as np
+
+    ours, keras = [], []
+    for rep in range(args.repeats):
+        ours.append(_train([PY], out / f"baseline-hvdtrain-{rep}", train_flags(args, args.steps),
+                           args.timeout)["samples_per_sec_total"])
+        plain = _run([PY, "-m", "hvdtrain", "bench", "--worker", "keras", "--model", args.model,
+                      "--image-size", str(args.image_size), "--batch-size", str(args.batch_size),
+                      "--steps", str(args.steps), "--threads", str(args.threads)], timeout=args.timeout)
+        keras.append(json.loads(plain.split("BENCH ", 1)[1].splitlines()[0])["samples_per_sec"])
+        say(f"1 worker: hvdtrain {ours[-1]:.1f}, plain Keras {keras[-1]:.1f} samples/s")
+    ratios = [a / b for a, b in zip(ours, keras)]
+    return {"hvdtrain_1_worker": ours, "plain_keras_fit": keras, "ratios": ratios,
+            "ratio": float(np.median(ratios))}
 
 
 def keras_worker(args) -> int:
@@ -239,15 +336,14 @@ def recipe(args, out: Path) -> dict:
     import numpy as np
 
     n, rows = max(args.workers), []
-    python = _python(n, args.controllers[0], args.hosts)
+    python = _python(n, _controller(args), args.hosts)
     for model in args.checkpoint_models:
         size, steps, flags = _sized(args, model)
         runs = {"hvdtrain": [], "recipe": []}
         for rep in range(args.repeats):
-            run_dir = out / f"recipe-{model}-hvdtrain-{rep}"
-            _run(python + ["-m", "hvdtrain", "--output-dir", str(run_dir), "--no-auto-resume", *flags,
-                           "--optimizer", "adam", "--lr", "0.001"], timeout=args.timeout)
-            runs["hvdtrain"].append(json.loads((run_dir / "summary.json").read_text())["samples_per_sec_total"])
+            runs["hvdtrain"].append(_train(python, out / f"recipe-{model}-hvdtrain-{rep}",
+                                           [*flags, "--optimizer", "adam", "--lr", "0.001"],
+                                           args.timeout)["samples_per_sec_total"])
             text = _run(python + ["-m", "hvdtrain.horovod_recipe", "--model", model, "--image-size", str(size),
                                   "--batch-size", str(args.batch_size), "--steps", str(steps),
                                   "--threads", str(args.threads)], timeout=args.timeout)
@@ -261,7 +357,7 @@ def recipe(args, out: Path) -> dict:
         ratios = [a / b for a, b in zip(runs["hvdtrain"], runs["recipe"])]
         rows.append({"model": model, "image_size": size, "steps_per_epoch": steps, "samples_per_sec": runs,
                      "ratios": ratios, "ratio_median": float(np.median(ratios))})
-    return {"workers": n, "controller": args.controllers[0], "batch_size_per_worker": args.batch_size,
+    return {"workers": n, "controller": _controller(args), "batch_size_per_worker": args.batch_size,
             "rows": rows}
 
 
@@ -290,14 +386,11 @@ def startup(args, out: Path) -> dict:
     times = {k: [] for k in sources}
     for rep in range(args.repeats):
         for kind, source in sources.items():
-            run_dir = out / f"startup-{kind}-{rep}"
-            cmd = _python(n, args.controllers[0], args.hosts) + [
-                "-m", "hvdtrain", "--output-dir", str(run_dir), "--no-auto-resume", "--model", "mlp",
-                "--data", source, "--val-split", "0", "--epochs", "1", "--steps-per-epoch", "1",
-                "--threads", str(args.threads), "--checkpoint-every", "0", "--no-keep-best", "--no-tensorboard",
-                "--no-save-model", "--no-worker-logs", "--verbose", "0"]
-            _run(cmd, timeout=args.timeout, env={"RECORDS": f"{own}/*.tfrecord"})
-            times[kind].append(json.loads((run_dir / "summary.json").read_text())["startup_s"])
+            flags = ["--model", "mlp", "--data", source, "--val-split", "0", "--epochs", "1", "--steps-per-epoch",
+                     "1", "--threads", str(args.threads), "--checkpoint-every", "0", "--no-keep-best",
+                     "--no-tensorboard", "--no-save-model", "--no-worker-logs", "--verbose", "0"]
+            times[kind].append(_train(_python(n, args.controllers[0], args.hosts), out / f"startup-{kind}-{rep}",
+                                      flags, args.timeout, env={"RECORDS": f"{own}/*.tfrecord"})["startup_s"])
             say(f"startup {kind} ({records} records, {n} workers): {times[kind][-1]:.2f} s")
     med = {k: float(np.median(v)) for k, v in times.items()}
     return {"records": records, "workers": n, "startup_s": times, "median_s": med,
@@ -331,12 +424,9 @@ def checkpoint_cost(args, out: Path) -> dict:
         runs, saves = {"off": [], "on": []}, []
         for rep in range(args.repeats):
             for kind in runs:
-                run_dir = out / f"checkpoint-{model}-{kind}-{rep}"
-                _run(_python(n, args.controllers[0], args.hosts) + [
-                    "-m", "hvdtrain", "--output-dir", str(run_dir), "--no-auto-resume", *flags,
-                    "--checkpoint-every", "1", "--checkpoint-every-steps", str(2 * steps + 1 if kind == "on" else 0)],
-                    timeout=args.timeout)
-                s = json.loads((run_dir / "summary.json").read_text())
+                s = _train(_python(n, _controller(args), args.hosts), out / f"checkpoint-{model}-{kind}-{rep}",
+                           [*flags, "--checkpoint-every", "1",
+                            "--checkpoint-every-steps", str(2 * steps + 1 if kind == "on" else 0)], args.timeout)
                 runs[kind].append(s["samples_per_sec_total"])
                 saves += s["checkpoint_save_s"]
                 say(f"checkpoint {model} hook {kind}: {s['samples_per_sec_total']:.1f} samples/s, "
@@ -435,8 +525,21 @@ def report(results: dict) -> str:
              f"{results['scaling']['batch_size_per_worker']}/worker, {results['scaling']['threads_per_worker']} "
              f"thread(s)/worker"] if results["scaling"]["rows"] else []
     for r in results["scaling"]["rows"]:
-        lines.append(f"  {r['controller']:7} {r['workers']} worker(s): {r['samples_per_sec_total']:9.1f} samples/s"
-                     f"  efficiency {r.get('efficiency', float('nan')):.1%}")
+        line = f"  {r['controller']:7} {r['workers']} worker(s): {_spread(r['samples_per_sec_runs'], '{:.1f}')} samples/s"
+        if r["workers"] > 1 and "efficiency_runs" in r:
+            line += f"  efficiency {_spread(r['efficiency_runs'], '{:.1%}')}"
+        if "limit_no_overlap" in r:
+            line += (f"  (compute {r['compute_s'] * 1000:.0f} ms a step, allreduce of "
+                     f"{results['scaling']['gradient_bytes'] / 1e6:.0f} MB at {r['allreduce_GBps']:.2f} GB/s "
+                     f"{r['allreduce_s'] * 1000:.0f} ms: limit {r['limit_no_overlap']:.1%} with no overlap)")
+        lines.append(line)
+    if "levers" in results:
+        lv = results["levers"]
+        lines.append(f"== levers at {lv['workers']} workers ({lv['controller']}; min/median/max of "
+                     f"{len(lv['rows'][0]['efficiency'])} rounds): efficiency, and samples/s against the defaults")
+        for r in lv["rows"]:
+            lines.append(f"  {r['model']:9} {r['lever']:12} {_spread(r['efficiency'], '{:.1%}')}  "
+                         f"x{_spread(r['vs_defaults'])}")
     for run in results.get("allreduce", []):
         lines.append(f"== allreduce busbw GB/s ({run['workers']} workers, {run['controller']})")
         lines.append(f"  {'bytes':>10} {'horovod':>8} {'mpi4py':>8} {'memcpy':>8}  horovod/mpi4py")
@@ -446,8 +549,8 @@ def report(results: dict) -> str:
                          f" {r['memcpy_busbw_GBps']:8.2f}  {f'{ratio:.0%}' if ratio else '-'}")
     if "baseline" in results:
         b = results["baseline"]
-        lines.append(f"== 1 worker: hvdtrain {b['hvdtrain_1_worker']:.1f} vs plain Keras {b['plain_keras_fit']:.1f}"
-                     f" samples/s (ratio {b['ratio']:.3f})")
+        lines.append(f"== 1 worker: hvdtrain {_spread(b['hvdtrain_1_worker'], '{:.1f}')} vs plain Keras "
+                     f"{_spread(b['plain_keras_fit'], '{:.1f}')} samples/s (ratio {_spread(b['ratios'])})")
     if "startup" in results:
         st = results["startup"]
         lines.append(f"== start-up, {st['records']} records at {st['workers']} workers (median of "
@@ -489,10 +592,14 @@ def parser():
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker, the same at every N")
     p.add_argument("--min-bytes", type=int, default=4 << 10)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
-    p.add_argument("--sections", type=lambda s: s.split(","), default=["scaling", "allreduce", "baseline", "recipe", "startup", "checkpoint",
-                                                                 "sync-vs-async"])
+    p.add_argument("--sections", type=lambda s: s.split(","), default=["allreduce", "scaling", "levers", "baseline", "recipe", "startup",
+                                                                 "checkpoint", "sync-vs-async"])
     p.add_argument("--records", type=int, default=200_000, help="startup: records in the user's own files")
-    p.add_argument("--repeats", type=int, default=3, help="startup, recipe, checkpoint: interleaved repetitions")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every timed section")
+    p.add_argument("--lever-models", type=lambda s: s.split(","), default=["resnet50", "mlp"],
+                   help="levers: the built-in models, each at its size (MODEL_SIZES) with its levers")
+    p.add_argument("--levers", type=lambda s: s.split(","),
+                   help=f"levers: these instead of each model's own ({', '.join(LEVERS)})")
     p.add_argument("--checkpoint-models", type=lambda s: s.split(","), default=["mlp", "cnn", "resnet50"],
                    help="recipe, checkpoint: the built-in models, each at its size (MODEL_SIZES)")
     p.add_argument("--timeout", type=int, default=1800)
@@ -523,10 +630,12 @@ def main(argv) -> int:
                "scaling": {"model": args.model, "image_size": args.image_size,
                            "batch_size_per_worker": args.batch_size, "threads_per_worker": args.threads,
                            "rows": []}}
-    if "scaling" in args.sections:
-        results["scaling"] = scaling(args, out)
     if "allreduce" in args.sections:
         results["allreduce"] = allreduce(args)
+    if "scaling" in args.sections:
+        results["scaling"] = scaling(args, out, results.get("allreduce", ()))
+    if "levers" in args.sections:
+        results["levers"] = levers(args, out)
     if "baseline" in args.sections:
         results["baseline"] = keras_baseline(args, out)
     if "recipe" in args.sections:

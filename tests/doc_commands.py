@@ -57,7 +57,7 @@ def small(cmd: str, tmp: Path, yaml: Path, hostfile: Path, discovery: Path) -> s
     cmd = re.sub(r"-np \d+", "-np 2", cmd)
     if re.search(r"-m hvdtrain bench\b", cmd):
         return cmd + (f" --model mlp --image-size 8 --steps 3 --sections scaling --controllers gloo --workers 1"
-                      f" --out {tmp / 'bench'}")  # the sections themselves: tests/test_bench.py
+                      f" --repeats 1 --out {tmp / 'bench'}")  # the sections themselves: tests/test_bench.py
     if cmd.startswith("scripts/run.sh") or re.search(r"-m hvdtrain( --|$)", cmd) and "--help" not in cmd:
         return cmd + f" --epochs 1 --steps-per-epoch 3 --output-dir {tmp / 'run'} --verbose 0 --no-tensorboard"
     if cmd.endswith("examples/train_script.py"):

@@ -16,13 +16,14 @@ def _bench(out, *flags):
     return proc.stdout, json.loads((out / "bench.json").read_text())
 
 
-def test_bench_reports_scaling_allreduce_and_keras_baseline(tmp_path):
-    text, res = _bench(tmp_path, "--controllers", "gloo,mpi", "--sections", "scaling,allreduce,baseline")
+def test_bench_reports_scaling_allreduce_and_keras_baseline_round_by_round(tmp_path):
+    text, res = _bench(tmp_path, "--controllers", "gloo,mpi", "--sections", "scaling,allreduce,baseline",
+                       "--repeats", "2")
     rows = res["scaling"]["rows"]
     assert [(r["controller"], r["workers"]) for r in rows] == [("gloo", 1), ("gloo", 2), ("mpi", 1), ("mpi", 2)]
     for r in rows:
-        assert r["samples_per_sec_total"] > 0 and len(r["samples_per_sec_per_worker"]) == r["workers"]
-        assert r["efficiency"] > 0
+        assert len(r["samples_per_sec_runs"]) == 2 and r["samples_per_sec_total"] > 0
+        assert len(r["efficiency_runs"]) == 2 and r["efficiency"] > 0
     by_controller = {run["controller"]: run for run in res["allreduce"]}
     assert set(by_controller) == {"gloo", "mpi"}
     sizes = [r["bytes"] for r in by_controller["mpi"]["rows"]]
@@ -30,12 +31,31 @@ def test_bench_reports_scaling_allreduce_and_keras_baseline(tmp_path):
     mpi_row = by_controller["mpi"]["rows"][-1]
     assert mpi_row["horovod_busbw_GBps"] == mpi_row["horovod_algbw_GBps"]  # 2(n-1)/n = 1 at n = 2
     assert mpi_row["mpi4py_busbw_GBps"] > 0 and "mpi4py_s" not in by_controller["gloo"]["rows"][0]
-    assert res["baseline"]["ratio"] > 0
+    # the limit at 2 workers: one worker's step against the model's gradient bytes over the bandwidth
+    # measured at the nearest size (the MLP's 4-byte gradients: nearest to 64 KiB of the three)
+    two = rows[3]
+    assert res["scaling"]["gradient_bytes"] == 4 * (8 * 8 * 3 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10)
+    assert two["allreduce_GBps"] == by_controller["mpi"]["rows"][-1]["horovod_algbw_GBps"]
+    assert 0 < two["limit_no_overlap"] < 1 and "limit" in text
+    assert len(res["baseline"]["ratios"]) == 2 and res["baseline"]["ratio"] > 0
     assert (tmp_path / "scaling.png").stat().st_size > 1000
     assert "efficiency" in text and "plain Keras" in text
     progress = [l for l in text.splitlines() if l.startswith("bench: ")]  # one per measurement, as it lands
-    assert len(progress) == 4 + 2 + 1, progress
+    assert len(progress) == 2 + 2 * 4 + 2, progress
     assert text.index("bench: scaling gloo 1 worker(s)") < text.index("== throughput")
+
+
+def test_bench_measures_each_lever_alone_against_the_defaults_round_by_round(tmp_path):
+    text, res = _bench(tmp_path, "--controllers", "mpi", "--sections", "levers", "--steps", "1",
+                       "--repeats", "2", "--lever-models", "mlp", "--levers", "bind-cores,spe-10")
+    lv = res["levers"]
+    assert lv["workers"] == 2 and lv["controller"] == "mpi"
+    assert [r["lever"] for r in lv["rows"]] == ["defaults", "bind-cores", "spe-10"]
+    for r in lv["rows"]:
+        assert r["model"] == "mlp" and len(r["samples_per_sec"]) == 2 and len(r["one_worker"]) == 2
+        assert r["efficiency"] == [t / (2 * o) for t, o in zip(r["samples_per_sec"], r["one_worker"])]
+    assert lv["rows"][0]["vs_defaults"] == [1.0, 1.0]
+    assert "== levers at 2 workers" in text and "bench: levers mlp bind-cores" in text
 
 
 def test_sync_vs_async_runs_every_peer_and_writes_curves_table_and_plots(tmp_path):

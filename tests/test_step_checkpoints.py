@@ -51,12 +51,12 @@ def _elastic(out, argv):
             f"{PYTHON} -m hvdtrain hosts --discover --hostfile {hostfile}", PYTHON, *argv, "--elastic"]
 
 
-def _run(launcher, out, data, env, kill_at=None, counts="counts"):
+def _run(launcher, out, data, env, kill_at=None, counts="counts", extra=()):
     counts = out / counts
     counts.mkdir(parents=True, exist_ok=True)
     env = {**env, "COUNT_DIR": str(counts), "HOROVOD_GLOO_TIMEOUT_SECONDS": "10",
            **({"KILL_AT": str(kill_at), "KILL_RANK": "1"} if kill_at else {})}
-    argv = ["-m", "hvdtrain", "--output-dir", str(out), "--verbose", "0", "--no-tensorboard", *_flags(data)]
+    argv = ["-m", "hvdtrain", "--output-dir", str(out), "--verbose", "0", "--no-tensorboard", *_flags(data), *extra]
     cmd = _elastic(out, argv) if launcher == "elastic" else command(WORKERS, launcher, argv)
     return subprocess.run(cmd, cwd=ROOT, env=job_env(env), timeout=300,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -73,10 +73,11 @@ def _trained(counts, upto=None):
     return steps
 
 
-def _saves():
-    """The steps after which checkpoints are written: every epoch's end, and EVERY steps after the last."""
+def _saves(per_call=1):
+    """The steps after which checkpoints are written: every epoch's end, and EVERY steps after the last,
+    at the end of a call of the compiled step (Keras runs per_call steps in one)."""
     saves, due = [], EVERY
-    for step in range(1, EPOCHS * STEPS + 1):
+    for step in range(per_call, EPOCHS * STEPS + 1, per_call):
         if step % STEPS == 0 or step >= due:
             saves.append(step)
             due = step + EVERY
@@ -129,6 +130,26 @@ def test_worker_killed_inside_an_epoch_resumes_at_the_next_step_and_ends_bit_ide
     counted.update(later)
     _once_per_epoch(counted)
     assert counted == straight[source][1], "the same samples at the same steps as the uninterrupted run"
+
+
+def test_several_steps_per_call_save_between_calls_and_resume_bit_identical(sources, straight, tmp_path):
+    """--steps-per-execution 4: Keras hands the callbacks every 4th step, so a save falls at the first
+    call's end at or after every EVERY steps; a worker killed inside a call resumes after the last
+    save and ends with the weights of the uninterrupted one-step-per-call run."""
+    data, env = sources["tfrecord"]
+    kill_at = random.Random(10).randint(STEPS + 2, 2 * STEPS - 1)
+    spe = ("--steps-per-execution", "4")
+    killed = _run("mpirun", tmp_path, data, env, kill_at=kill_at, counts="killed", extra=spe)
+    assert killed.returncode != 0, "the worker should have been killed"
+    resumed = _run("mpirun", tmp_path, data, env, counts="resumed", extra=spe)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    start = summary["first_epoch"] * STEPS + summary["first_step"]
+    assert start == max(s for s in _saves(per_call=4) if s < kill_at) and start % 4 == 0
+    assert summary["weights_sha256_by_rank"] == straight["tfrecord"][0]["weights_sha256_by_rank"]
+    counted = _trained(tmp_path / "killed", upto=start)
+    counted.update(_trained(tmp_path / "resumed"))
+    assert counted == straight["tfrecord"][1], "the same samples at the same steps as the uninterrupted run"
 
 
 def test_a_resume_that_cannot_be_replayed_says_why_and_what_to_change(tmp_path):

@@ -646,7 +646,8 @@ def main(argv) -> int:
         results["checkpoint"] = checkpoint_cost(args, out)
     if "sync-vs-async" in args.sections:
         results["sync_vs_async"] = sync_vs_async.study(
-            args, out, _run, lambda n: _python(n, args.controllers[0], args.hosts), _env, say)
+            args, out, lambda python, run_dir, flags: _train(python, run_dir, flags, args.timeout),
+            lambda n: _python(n, args.controllers[0], args.hosts), _env, say)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     results["plot"] = plot(results, out / "scaling.png")
     written = [results["plot"]] if results["plot"] else []

@@ -52,9 +52,10 @@ def _builder(task):
 
 # ---------------------------------------------------------------- the driver (in `hvdtrain bench`)
 
-def study(args, out: Path, run, launcher, env, say) -> dict:
+def study(args, out: Path, train, launcher, env, say) -> dict:
     """Every (task, workers, peer): one launch; hvdtrain one per seed (it is run as users run it).
-    run(cmd, timeout), launcher(n) (horovodrun ... python), env(extra) and say(line) are the bench's."""
+    train(python, run_dir, flags) -> summary, launcher(n) (horovodrun ... python), env(extra) and
+    say(line) are the bench's."""
     results = {"epochs": args.study_epochs, "seeds": args.study_seeds, "batch_per_worker": BATCH,
                "lr_per_batch": LR, "runs": []}
     for task in args.study_tasks:
@@ -62,7 +63,7 @@ def study(args, out: Path, run, launcher, env, say) -> dict:
             for peer in PEERS:
                 t0 = time.perf_counter()
                 if peer == "horovod":
-                    curves = [_horovod(args, out / f"sva-{task}-{n}-{seed}", task, n, seed, run, launcher)
+                    curves = [_horovod(args, out / f"sva-{task}-{n}-{seed}", task, n, seed, train, launcher)
                               for seed in range(args.study_seeds)]
                 else:
                     curves = _tf_distribute(args, task, n, peer, env)
@@ -74,15 +75,13 @@ def study(args, out: Path, run, launcher, env, say) -> dict:
     return results
 
 
-def _horovod(args, run_dir, task, n, seed, run, launcher) -> dict:
+def _horovod(args, run_dir, task, n, seed, train, launcher) -> dict:
     model = "cnn" if task == "cnn" else "hvdtrain.sync_vs_async:wide_mlp"
     flags = ["--model", model, "--data", "digits", "--epochs", str(args.study_epochs), "--batch-size",
              str(BATCH), "--optimizer", "momentum", "--lr", str(LR), "--warmup-epochs", "0",
              "--seed", str(seed), "--threads", "1", "--checkpoint-every", "0", "--checkpoint-every-steps", "0",
-             "--no-keep-best", "--no-tensorboard", "--no-save-model", "--no-worker-logs", "--verbose", "0",
-             "--no-auto-resume"]
-    run(launcher(n) + ["-m", "hvdtrain", "--output-dir", str(run_dir), *flags], timeout=args.timeout)
-    s = json.loads((run_dir / "summary.json").read_text())
+             "--no-keep-best", "--no-tensorboard", "--no-save-model", "--no-worker-logs", "--verbose", "0"]
+    s = train(launcher(n), run_dir, flags)
     h, samples = s["history"], s["steps_per_epoch"] * s["global_batch_size"]
     seconds = list(itertools.accumulate(h["epoch_seconds"]))
     return {"seed": seed, "samples_per_epoch": samples, "seconds": seconds,

@@ -103,7 +103,21 @@ def distributed(opt, cfg: Config):
         sparse_as_dense=cfg.sparse_as_dense,
         num_groups=cfg.allreduce_groups)
     _reduce_in_apply_too(dist)
+    _allreduce_traced_as_written(dist)
     return dist
+
+
+def _allreduce_traced_as_written(opt):
+    """Horovod wraps its allreduce of the gradients in a tf.function with AutoGraph on, so every trace
+    of the step converts Horovod's Python, gradient by gradient: 1.2 of the 2.0 s of a 2-worker cnn's
+    first epoch, 3.5 s of ResNet-50's (measured). That Python branches on Python values only (its
+    conditions are tf.cond already), so traced as written it builds the same ops, without the cost."""
+    import tensorflow as tf
+
+    fn = tf.function(opt._allreduce_grads.python_function, autograph=False)
+    opt._allreduce_grads = fn
+    if opt._agg_helper is not None:  # --backward-passes-per-step: its (eager) helper keeps a reference
+        opt._agg_helper.allreduce_grads = fn
 
 
 def _reduce_in_apply_too(opt):

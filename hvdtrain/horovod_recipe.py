@@ -4,8 +4,9 @@ tensorflow2_keras_mnist.py step by step: init, pin a GPU, shard, scale the lr, D
 broadcast, metric-average and warm-up callbacks, verbose on rank 0 only (its rank-0 ModelCheckpoint
 is left out: it writes after an epoch's timing). Only the model (the same as
 hvdtrain's), the synthetic data and the per-worker thread budget come from the bench, so that both
-do the same work. Every rank prints `RECIPE {"rank": r, "samples_per_sec": s}` (epochs after the
-first, as hvdtrain's summary counts them).
+do the same work. Every rank prints `RECIPE {"rank": r, "samples_per_sec": s, "first_epoch_s": t}`
+(samples/s over the epochs after the first, as hvdtrain's summary counts them; t: the first epoch,
+which traces the step).
 
     horovodrun -np 2 python -m hvdtrain.horovod_recipe --model cnn --image-size 16 --steps 100
 """
@@ -78,7 +79,8 @@ def main():
     model.fit(dataset, steps_per_epoch=args.steps, callbacks=callbacks, epochs=args.epochs, verbose=verbose)
     timed = timer.seconds[1:] or timer.seconds
     rate = len(timed) * args.steps * args.batch_size / sum(timed)
-    print("RECIPE " + json.dumps({"rank": hvd.rank(), "samples_per_sec": rate}), flush=True)
+    print("RECIPE " + json.dumps({"rank": hvd.rank(), "samples_per_sec": rate, "first_epoch_s": timer.seconds[0]}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,11 @@ def test_bench_compares_hvdtrain_with_horovods_recipe_by_hand_pair_by_pair(tmp_p
     assert row["model"] == "mlp" and row["steps_per_epoch"] == 50
     assert all(len(v) == 1 and v[0] > 0 for v in row["samples_per_sec"].values())
     assert row["ratios"] == [row["samples_per_sec"]["hvdtrain"][0] / row["samples_per_sec"]["recipe"][0]]
+    first = row["first_epoch_s"]
+    assert all(len(v) == 1 and v[0] > 0 for v in first.values())
+    assert row["first_epoch_ratios"] == [first["recipe"][0] / first["hvdtrain"][0]]
     assert "bench: recipe mlp 2 workers" in text and "== hvdtrain / Horovod's recipe by hand" in text
+    assert "first epoch: recipe / hvdtrain" in text
 
 
 def test_bench_prices_step_checkpoints_from_the_hook_and_the_save(tmp_path):

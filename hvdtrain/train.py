@@ -231,20 +231,27 @@ def _build_loss_and_metrics(model, element_spec):
     trace creates variables is traced a second time: the whole step, twice (about 2 s of ResNet-50's
     first epoch at 2 workers, measured). Built here, on one batch of zeros, the step is traced once.
 
-    Only for Keras' own train_step, compute_loss and compute_metrics, and only when every dimension
-    but the batch is known, since Keras picks an accuracy (sparse, categorical, binary) from the
-    shapes. Anything else, or a model that refuses zeros, is left to Keras, as before."""
+    Only for Keras' own train_step, compute_loss and compute_metrics, and only when the targets' and
+    weights' shapes are known beyond the batch, since Keras picks an accuracy (sparse, categorical,
+    binary) from them; an input's unknown length (padded sequences) is 1 here. Anything else, or a
+    model that refuses the zeros, is left to Keras, as before."""
     import tensorflow as tf
 
     own = all(getattr(type(model), m) is getattr(tf.keras.Model, m)
               for m in ("train_step", "compute_loss", "compute_metrics"))
-    known = all(type(s) is tf.TensorSpec and s.shape.rank and s.shape[1:].is_fully_defined()
-                for s in tf.nest.flatten(element_spec))
-    if not own or not known or model.compiled_loss is None or model.compiled_loss.built:
+    if not own or model.compiled_loss is None or model.compiled_loss.built:
         return
+    x, y, w = tf.keras.utils.unpack_x_y_sample_weight(element_spec)  # y, w: None when absent
+
+    def specs(*parts):
+        return [s for s in tf.nest.flatten(parts) if s is not None]
+
+    if not all(type(s) is tf.TensorSpec and s.shape.rank for s in specs(x, y, w)) or not all(
+            s.shape[1:].is_fully_defined() for s in specs(y, w)):
+        return
+    x, y, w = tf.nest.map_structure(
+        lambda s: None if s is None else tf.zeros([1] + [d or 1 for d in s.shape[1:]], s.dtype), (x, y, w))
     try:
-        x, y, w = tf.keras.utils.unpack_x_y_sample_weight(
-            tf.nest.map_structure(lambda s: tf.zeros([1, *s.shape[1:]], s.dtype), element_spec))
         y_pred = model(x, training=False)
         model.compute_loss(x, y, y_pred, w)
         model.compute_metrics(x, y, y_pred, w)

@@ -212,3 +212,11 @@ def dropout_mlp():
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     return model
+
+
+def bag_of_tokens():
+    """keras.io-style text classifier on integer token ids of any length: embed, average, sigmoid."""
+    model = keras.Sequential([layers.Embedding(100, 8), layers.GlobalAveragePooling1D(),
+                              layers.Dense(1, activation="sigmoid")], name="bag_of_tokens")
+    model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
+    return model

@@ -1,6 +1,6 @@
 """What the first step costs: how often Keras traces it, and whether AutoGraph converts Horovod's allreduce.
 
-For users' compiled models (sparse, one-hot and binary labels, two heads), trained by hvdtrain.fit
+For users' compiled models (sparse, one-hot and binary labels, two heads, padded token sequences), trained by hvdtrain.fit
 and by plain Keras fit: the metrics Keras picked and the number of traces of the training step.
 For the gradients' allreduce, Horovod's own DistributedOptimizer against hvdtrain's: the functions
 AutoGraph converted while tracing it (its log, verbosity 1) and the ops it built.
@@ -29,7 +29,16 @@ CASES = {
     "binary": (user_models.binary, rng.standard_normal((n, 30)).astype("float32"),
                (digit % 2).astype("float32")),
     "two_heads": (user_models.two_heads, image, {"digit": digit, "odd": (digit % 2).astype("float32")}),
+    "padded_tokens": (user_models.bag_of_tokens, None, None),  # batches of any length: tokens_dataset()
 }
+
+
+def tokens_dataset():
+    """Token sequences of 3 to 11 ids, padded per batch (tf.data's padded_batch): shape (None, None)."""
+    seqs = [rng.integers(1, 100, rng.integers(3, 12)) for _ in range(n)]
+    return tf.data.Dataset.from_generator(
+        lambda: ((s, np.float32(s.sum() % 2)) for s in seqs),
+        output_signature=(tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.float32)))
 
 
 def picked(model):
@@ -44,12 +53,12 @@ for name, (build, x, y) in CASES.items():
     for how in ("hvdtrain", "keras"):
         tf.keras.utils.set_random_seed(1)
         model = build()
+        data = tokens_dataset().padded_batch(32) if x is None else tf.data.Dataset.from_tensor_slices((x, y))
         if how == "hvdtrain":
-            hvdtrain.fit(model, tf.data.Dataset.from_tensor_slices((x, y)), epochs=1, batch_size=32,
-                         output_dir=f"/tmp/first-step-{name}-{world.rank}", auto_resume=False,
-                         checkpoint_every=0, save_model=False, tensorboard=False, verbose=0)
+            hvdtrain.fit(model, data, epochs=1, batch_size=32, output_dir=f"/tmp/first-step-{name}-{world.rank}",
+                         auto_resume=False, checkpoint_every=0, save_model=False, tensorboard=False, verbose=0)
         else:
-            model.fit(x, y, epochs=1, batch_size=32, verbose=0)
+            model.fit(data if x is None else data.batch(32), epochs=1, verbose=0)
         runs[how] = {"metrics": picked(model), "traces": int(model.train_function.experimental_get_tracing_count())}
     results[name] = runs
 

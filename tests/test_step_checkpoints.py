@@ -188,3 +188,31 @@ def test_checkpoint_every_minutes_saves_inside_epochs_at_steps_every_rank_agrees
     assert inside and all(0 < s % STEPS for s in inside), index
     assert min(inside) > 20  # the first 20 steps only measure how long a step takes
     assert [f"ckpt-{e}" for e in range(1, EPOCHS + 1)] == re.findall(r'"(ckpt-\d+)"', index)
+
+
+@pytest.mark.parametrize("flag", [{"checkpoint_every_steps": 1000}, {"checkpoint_every_minutes": 5.0}])
+def test_the_step_checkpoint_hook_takes_the_step_logs_as_tensors_no_host_sync_per_step(flag):
+    """Keras converts every step's logs to numpy (a host sync per step) when one of the callbacks with
+    a batch hook does not take tensors. hvdtrain's hook takes them, so a callback after it that takes
+    tensors still gets tensors, as Keras' fit would hand them over."""
+    import tensorflow as tf
+
+    from hvdtrain import callbacks, config
+
+    cfg = config.Config(**flag)
+    epoch_end, progress = callbacks.make(cfg, None, 2, True)
+    saver = callbacks.checkpoints(cfg, None, 100, 0, 0)
+    seen = []
+
+    class TakesTensors(tf.keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self._supports_tf_logs = True
+
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(logs["loss"])
+
+    hooks = tf.keras.callbacks.CallbackList([epoch_end, saver, progress, TakesTensors()], add_history=True)
+    saver.on_epoch_begin(0)
+    hooks.on_train_batch_end(0, {"loss": tf.constant(1.0)})
+    assert len(seen) == 1 and tf.is_tensor(seen[0])

@@ -1,7 +1,8 @@
 """What the first step costs: how often Keras traces it, and whether AutoGraph converts Horovod's allreduce.
 
-For users' compiled models (sparse, one-hot and binary labels, two heads, padded token sequences), trained by hvdtrain.fit
-and by plain Keras fit: the metrics Keras picked and the number of traces of the training step.
+For users' compiled models (sparse, one-hot and binary labels, two heads, padded token sequences),
+trained by hvdtrain.fit and by plain Keras fit: the metrics Keras picked and the number of traces of
+the training step.
 For the gradients' allreduce, Horovod's own DistributedOptimizer against hvdtrain's: the functions
 AutoGraph converted while tracing it (its log, verbosity 1) and the ops it built.
 """
@@ -9,6 +10,7 @@ import collections
 import contextlib
 import io
 import json
+import tempfile
 
 import numpy as np
 import horovod.tensorflow.keras as hvd
@@ -55,7 +57,7 @@ for name, (build, x, y) in CASES.items():
         model = build()
         data = tokens_dataset().padded_batch(32) if x is None else tf.data.Dataset.from_tensor_slices((x, y))
         if how == "hvdtrain":
-            hvdtrain.fit(model, data, epochs=1, batch_size=32, output_dir=f"/tmp/first-step-{name}-{world.rank}",
+            hvdtrain.fit(model, data, epochs=1, batch_size=32, output_dir=tempfile.mkdtemp(),
                          auto_resume=False, checkpoint_every=0, save_model=False, tensorboard=False, verbose=0)
         else:
             model.fit(data if x is None else data.batch(32), epochs=1, verbose=0)

@@ -16,6 +16,7 @@ import threading
 import time
 
 from . import runtime
+from .checkpoint import per_rank_variables
 
 
 def _allreduce(tensors, op):
@@ -31,7 +32,7 @@ def average_non_trainable(model):
 
     if runtime.world().size == 1:
         return
-    variables = [v for v in model.non_trainable_variables if v.dtype.is_floating]
+    variables = per_rank_variables(model)
     if variables:
         for v, mean in zip(variables, _allreduce([v.value() for v in variables], hvd.Average)):
             v.assign(mean)

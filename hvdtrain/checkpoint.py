@@ -178,8 +178,11 @@ RANKS = "ranks/.ATTRIBUTES/VARIABLE_VALUE"
 
 def per_rank_variables(model) -> list:
     """What each rank holds alone between epoch ends: non-trainable float variables (BatchNorm's
-    moving statistics), averaged over ranks only at the end of an epoch."""
-    return [v for v in model.non_trainable_variables if v.dtype.is_floating]
+    moving statistics), averaged over ranks only at the end of an epoch. (Keras also lists lookup
+    tables' handlers here, TextVectorization's and StringLookup's: not variables, left out.)"""
+    import tensorflow as tf
+
+    return [v for v in model.non_trainable_variables if isinstance(v, tf.Variable) and v.dtype.is_floating]
 
 
 def own_state(model):

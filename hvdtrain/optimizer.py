@@ -198,10 +198,19 @@ def broadcast_initial_state(model, root_rank: int = 0):
     everything up front, and the first step is already synchronous.
     """
     import horovod.tensorflow as hvd
+    import tensorflow as tf
 
     build(model)
     if hvd.size() > 1:
-        hvd.broadcast_variables(model.variables, root_rank=root_rank)
+        # model.variables also lists lookup tables' handlers (TextVectorization, StringLookup): not
+        # variables. Each rank adapted its own table, maybe on data in another order (a vocabulary's
+        # ties then fall differently): rank 0's vocabulary goes to every rank, so a token has one id.
+        for layer in model.submodules:
+            if hasattr(layer, "get_vocabulary") and hasattr(layer, "set_vocabulary"):
+                vocab = layer.get_vocabulary(include_special_tokens=False)
+                layer.set_vocabulary(hvd.broadcast_object(vocab, root_rank=root_rank, name=f"vocab.{layer.name}"))
+        variables = [v for v in model.variables if isinstance(v, tf.Variable)]
+        hvd.broadcast_variables(variables, root_rank=root_rank)
         hvd.broadcast_variables(model.optimizer.variables, root_rank=root_rank)
 
 

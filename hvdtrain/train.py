@@ -577,8 +577,8 @@ def fit_elastic(cfg: Config, model, shard, ckpts, trainer: Trainer):
 
 def weights_sha256(model) -> str:
     h = hashlib.sha256()
-    for w in model.get_weights():
-        h.update(w.tobytes())
+    for w in model.get_weights():  # a lookup layer's vocabulary is an array of Python objects
+        h.update("\0".join(map(repr, w.ravel())).encode() if w.dtype == object else w.tobytes())
     return h.hexdigest()
 
 

@@ -166,3 +166,13 @@ def test_multi_label_targets_train_with_the_users_binary_crossentropy(out):
     assert s["model"]["loss"] == "binary_crossentropy (model.compile)"
     assert s["metrics"]["val_bin_acc"] > 0.85, s["metrics"]
     assert _same_weights_on_every_rank(s)
+
+
+def test_a_text_model_with_textvectorization_trains_with_rank0s_vocabulary_on_every_rank(out):
+    """keras.io's text classifier: its lookup table is not a variable (the broadcast, BatchNorm averaging
+    and checkpoints used to stop at it), and each rank's adapt() may order ties differently."""
+    s = train(2, "gloo", out, "--model", "user_models:text_vectorized", "--data", "user_data:reviews",
+              "--epochs", "6", "--batch-size", "16")
+    assert _same_weights_on_every_rank(s)  # the vocabulary is among the weights
+    assert s["metrics"]["val_accuracy"] > 0.9, s["metrics"]
+    assert (out / "model.keras").is_file()

@@ -210,3 +210,17 @@ def id_records():
         x.set_shape([9])
         return x, ex["y"]
     return tf.data.TFRecordDataset(files).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+
+
+def reviews():
+    """keras.io "Text classification from scratch", in miniature: raw strings and a 0/1 label, as
+    (train, val); the words of each class are equally frequent, so a vocabulary's order rests on ties."""
+    rng = np.random.default_rng(0)
+    pos, neg, filler = "great loved superb fun".split(), "awful hated dull poor".split(), "the film was a".split()
+    texts, labels = [], []
+    for i in range(800):
+        words = filler + (pos if i % 2 else neg)
+        texts.append(" ".join(rng.choice(words, rng.integers(6, 20))))
+        labels.append(i % 2)
+    ds = tf.data.Dataset.from_tensor_slices((texts, np.array(labels, np.int64)))
+    return ds.take(640), ds.skip(640)

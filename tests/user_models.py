@@ -220,3 +220,22 @@ def bag_of_tokens():
                               layers.Dense(1, activation="sigmoid")], name="bag_of_tokens")
     model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
     return model
+
+
+def text_vectorized():
+    """keras.io "Text classification from scratch": TextVectorization inside the model, adapted in
+    build() on the user's texts. Here each rank adapts on its own sample of them (as a user who
+    adapts on a part of the data, drawn anew in every process), so the ranks' vocabularies differ."""
+    import horovod.tensorflow as hvd
+
+    import user_data
+
+    texts = [t.numpy() for t, _ in user_data.reviews()[0]]
+    order = np.random.default_rng(hvd.rank()).permutation(len(texts))[:40]
+    vectorize = layers.TextVectorization(max_tokens=8, output_sequence_length=20)
+    vectorize.adapt(tf.constant([texts[i] for i in order]))
+    inputs = keras.Input(shape=(1,), dtype="string")
+    x = layers.GlobalAveragePooling1D()(layers.Embedding(8, 8)(vectorize(inputs)))
+    model = keras.Model(inputs, layers.Dense(1, activation="sigmoid")(x), name="text_vectorized")
+    model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
+    return model

@@ -207,11 +207,23 @@ def broadcast_initial_state(model, root_rank: int = 0):
         # ties then fall differently): rank 0's vocabulary goes to every rank, so a token has one id.
         for layer in model.submodules:
             if hasattr(layer, "get_vocabulary") and hasattr(layer, "set_vocabulary"):
-                vocab = layer.get_vocabulary(include_special_tokens=False)
-                layer.set_vocabulary(hvd.broadcast_object(vocab, root_rank=root_rank, name=f"vocab.{layer.name}"))
+                vocab = hvd.broadcast_object(_vocabulary(layer), root_rank=root_rank, name=f"vocab.{layer.name}")
+                layer.set_vocabulary(*vocab)
         variables = [v for v in model.variables if isinstance(v, tf.Variable)]
         hvd.broadcast_variables(variables, root_rank=root_rank)
         hvd.broadcast_variables(model.optimizer.variables, root_rank=root_rank)
+
+
+
+def _vocabulary(layer) -> tuple:
+    """What set_vocabulary takes back: the tokens, and in "tf_idf" mode their IDF weights too (Keras
+    refuses the tokens alone there). The weights sit after the special tokens' ([UNK], ...)."""
+    tokens = layer.get_vocabulary(include_special_tokens=False)
+    lookup = getattr(layer, "_lookup_layer", layer)  # TextVectorization wraps a StringLookup
+    if getattr(lookup, "output_mode", None) != "tf_idf":
+        return (tokens,)
+    specials = len(layer.get_vocabulary()) - len(tokens)
+    return tokens, lookup.idf_weights.numpy()[specials:]
 
 
 class LearningRate:

@@ -168,10 +168,12 @@ def test_multi_label_targets_train_with_the_users_binary_crossentropy(out):
     assert _same_weights_on_every_rank(s)
 
 
-def test_a_text_model_with_textvectorization_trains_with_rank0s_vocabulary_on_every_rank(out):
-    """keras.io's text classifier: its lookup table is not a variable (the broadcast, BatchNorm averaging
-    and checkpoints used to stop at it), and each rank's adapt() may order ties differently."""
-    s = train(2, "gloo", out, "--model", "user_models:text_vectorized", "--data", "user_data:reviews",
+@pytest.mark.parametrize("model", ["text_vectorized", "text_tf_idf"])
+def test_a_text_model_with_textvectorization_trains_with_rank0s_vocabulary_on_every_rank(out, model):
+    """keras.io's text classifiers: a lookup table is not a variable (the broadcast, BatchNorm averaging
+    and checkpoints used to stop at it), each rank's adapt() may order ties differently, and in "tf_idf"
+    mode the vocabulary comes with its IDF weights (Keras refuses it without them)."""
+    s = train(2, "gloo", out, "--model", f"user_models:{model}", "--data", "user_data:reviews",
               "--epochs", "6", "--batch-size", "16")
     assert _same_weights_on_every_rank(s)  # the vocabulary is among the weights
     assert s["metrics"]["val_accuracy"] > 0.9, s["metrics"]

@@ -239,3 +239,21 @@ def text_vectorized():
     model = keras.Model(inputs, layers.Dense(1, activation="sigmoid")(x), name="text_vectorized")
     model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
     return model
+
+
+def text_tf_idf():
+    """keras.io "Large-scale multi-label text classification": TF-IDF bigrams into an MLP. As above, each
+    rank adapts on its own sample, so the ranks' vocabularies and IDF weights differ."""
+    import horovod.tensorflow as hvd
+
+    import user_data
+
+    texts = [t.numpy() for t, _ in user_data.reviews()[0]]
+    order = np.random.default_rng(hvd.rank()).permutation(len(texts))[:40]
+    vectorize = layers.TextVectorization(max_tokens=16, ngrams=2, output_mode="tf_idf")
+    vectorize.adapt(tf.constant([texts[i] for i in order]))
+    inputs = keras.Input(shape=(1,), dtype="string")
+    x = layers.Dense(16, activation="relu")(vectorize(inputs))
+    model = keras.Model(inputs, layers.Dense(1, activation="sigmoid")(x), name="text_tf_idf")
+    model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
+    return model

@@ -200,9 +200,11 @@ def compile_for_training(model, cfg: Config, world: runtime.World):
     returns (cfg with the one-worker lr it trains with, Trainer)."""
     plan = models.compile_plan(model, cfg)
     _xla_only_where_horovod_has_it(plan, cfg, world)
+    _steps_per_execution_every_rank_shares(plan)
     opt, info, notes = optimizer.choose(cfg, plan.optimizer)
     cfg = dataclasses.replace(cfg, lr=info["lr"] if info["lr"] is not None else cfg.lr)
     model.compile(optimizer=optimizer.distributed(opt, cfg), **plan.kwargs)
+    model.autotune_steps_per_execution = False  # Keras' compile leaves a user's "auto" tuner on
     if cfg.reduction == "adasum":
         optimizer.use_adasum(model, cfg, world)
     learning_rate = optimizer.LearningRate(cfg, info["lr"]) if info["lr"] is not None else None
@@ -224,6 +226,18 @@ def _xla_only_where_horovod_has_it(plan, cfg: Config, world: runtime.World):
     plan.kwargs["jit_compile"] = False
     plan.notes.append("the model was compiled with jit_compile=True: XLA is off, since it cannot compile "
                       "Horovod's allreduce on CPU workers (Horovod has XLA kernels for GPUs only)")
+
+
+def _steps_per_execution_every_rank_shares(plan):
+    """Keras' steps_per_execution="auto" retunes the count from each process's own clock, in a thread:
+    ranks would then return from the step, and call back (a checkpoint inside an epoch gathers from
+    every rank there), at different steps. A fixed count, the one "auto" starts from, and a note."""
+    if plan.kwargs.get("steps_per_execution") != "auto":
+        return
+    plan.kwargs["steps_per_execution"] = 1
+    plan.notes.append("the model was compiled with steps_per_execution='auto': it trains with 1, since "
+                      "Keras would tune it on each rank's own clock and the ranks must call back at the same "
+                      "steps; pass --steps-per-execution N (10 doubled a small MLP's throughput here)")
 
 
 def _build_loss_and_metrics(model, element_spec):

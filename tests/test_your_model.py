@@ -4,7 +4,7 @@ The models and data are written as users write them (tests/user_models.py, tests
 import numpy as np
 import pytest
 
-from conftest import ROOT, PYTHON, launch, train
+from conftest import ROOT, PYTHON, launch, run_worker_script, train
 
 
 def _saved(out):
@@ -30,6 +30,14 @@ def test_a_model_compiled_for_xla_trains_on_cpu_workers_with_xla_off_and_says_so
               "--epochs", "2")
     assert "compiled with jit_compile=True: XLA is off" in (out / "logs" / "rank0.log").read_text()
     assert s["model"]["loss"] == "mse (model.compile)" and _same_weights_on_every_rank(s)
+
+
+def test_a_model_compiled_with_steps_per_execution_auto_trains_with_one_count_on_every_rank_and_says_so():
+    """Keras' "auto" retunes the count on each process's own clock, so ranks would call back (a checkpoint
+    inside an epoch gathers from all) at different steps; and Keras' compile leaves the tuner on."""
+    res = run_worker_script(2, "gloo", "steps_per_execution_check.py")
+    assert res["ranks"] == [{"steps_per_execution": 1, "tuning": False}] * 2
+    assert "compiled with steps_per_execution='auto': it trains with 1" in res["log"]
 
 
 def test_regression_on_diabetes_beats_predicting_the_mean(out):

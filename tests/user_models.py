@@ -21,6 +21,13 @@ def xla_regression():
     return model
 
 
+def auto_steps_regression():
+    """The regression above, compiled with Keras' self-tuning steps_per_execution."""
+    model = regression()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"], steps_per_execution="auto")
+    return model
+
+
 def binary():
     """scikit-learn's breast_cancer: a sigmoid unit, binary crossentropy and the user's own AUC."""
     model = keras.Sequential([layers.Input((30,)), layers.Dense(16, activation="relu"),

@@ -151,10 +151,12 @@ LEVERS = {
     "groups-4": (("--allreduce-groups", "4"), None),  # each quarter of the gradients sent when ready
     "bind-cores": ((), "-bind-to core -map-by core"),  # each rank on its own core (ours: unbound)
     "spe-10": (("--steps-per-execution", "10"), None),  # Keras: 10 steps per call of the step
+    "side-by-side": (None, None),  # no allreduce: N one-worker runs at once (_side_by_side)
 }
 # each model's levers: the allreduce's for the one whose gradients are large, the per-step overhead's
 # for the one whose steps take milliseconds
-LEVER_SETS = {"resnet50": ["defaults", "fp16", "fusion-16mb", "cycle-5ms", "groups-4", "bind-cores"],
+LEVER_SETS = {"resnet50": ["defaults", "side-by-side", "fp16", "fusion-16mb", "cycle-5ms", "groups-4",
+                          "bind-cores"],
               "mlp": ["defaults", "spe-10"], "cnn": ["defaults", "spe-10"]}
 
 
@@ -175,10 +177,12 @@ def levers(args, out: Path) -> dict:
             one.append(_train([PY], out / f"levers-{model}-one-{rep}", flags, args.timeout)["samples_per_sec_total"])
             for name in names:
                 extra, binding = LEVERS[name]
-                s = _train(_python(n, controller, args.hosts, binding),
-                           out / f"levers-{model}-{name}-{rep}", [*flags, *extra],
-                           args.timeout)
-                runs[name].append(s["samples_per_sec_total"])
+                run_dir = out / f"levers-{model}-{name}-{rep}"
+                if extra is None:
+                    runs[name].append(_side_by_side(n, run_dir, flags, args.timeout))
+                else:
+                    runs[name].append(_train(_python(n, controller, args.hosts, binding), run_dir,
+                                             [*flags, *extra], args.timeout)["samples_per_sec_total"])
                 say(f"levers {model} {name}: {runs[name][-1]:.1f} samples/s at {n} workers "
                     f"({runs[name][-1] / (n * one[-1]):.1%} of {n} x {one[-1]:.1f})")
         for name in names:
@@ -188,6 +192,25 @@ def levers(args, out: Path) -> dict:
                          "vs_defaults": [t / d for t, d in zip(runs[name], runs["defaults"])]})
     return {"workers": n, "controller": controller, "batch_size_per_worker": args.batch_size,
             "threads_per_worker": args.threads, "rows": rows}
+
+
+def _side_by_side(n: int, run_dir: Path, flags, timeout) -> float:
+    """N x the samples/s of one worker timed while n-1 copies of it train beside it, with no allreduce
+    between them: what sharing the cores and memory costs a step before any communication. The copies
+    start with it and run until it ends, so they are training throughout its timed epoch (each prints a
+    line per epoch to copy-I.out)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    outs = [(run_dir / f"copy-{i}.out").open("w") for i in range(n - 1)]
+    copies = [subprocess.Popen([PY, "-m", "hvdtrain", "--output-dir", str(run_dir / f"copy-{i}"), "--no-auto-resume",
+                                *flags, "--epochs", "100000", "--checkpoint-every-steps", "0", "--verbose", "2"],
+                               env=_env(), stdout=o, stderr=subprocess.STDOUT) for i, o in enumerate(outs)]
+    try:
+        return n * _train([PY], run_dir, flags, timeout)["samples_per_sec_total"]
+    finally:
+        for copy, o in zip(copies, outs):
+            copy.kill()
+            copy.wait()
+            o.close()
 
 
 # ---------------------------------------------------------------- allreduce bandwidth

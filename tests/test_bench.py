@@ -47,10 +47,14 @@ def test_bench_reports_scaling_allreduce_and_keras_baseline_round_by_round(tmp_p
 
 def test_bench_measures_each_lever_alone_against_the_defaults_round_by_round(tmp_path):
     text, res = _bench(tmp_path, "--controllers", "mpi", "--sections", "levers", "--steps", "1",
-                       "--repeats", "2", "--lever-models", "mlp", "--levers", "bind-cores,spe-10")
+                       "--repeats", "2", "--lever-models", "mlp", "--levers", "bind-cores,spe-10,side-by-side")
     lv = res["levers"]
     assert lv["workers"] == 2 and lv["controller"] == "mpi"
-    assert [r["lever"] for r in lv["rows"]] == ["defaults", "bind-cores", "spe-10"]
+    assert [r["lever"] for r in lv["rows"]] == ["defaults", "bind-cores", "spe-10", "side-by-side"]
+    side = tmp_path / "levers-mlp-side-by-side-0"  # one timed worker, its copy trained beside it, then ended
+    assert json.loads((side / "summary.json").read_text())["world_size"] == 1
+    copy = (side / "copy-0.out").read_text()
+    assert "hvdtrain: epoch 3/100000" in copy and not (side / "copy-0" / "summary.json").exists(), copy
     for r in lv["rows"]:
         assert r["model"] == "mlp" and len(r["samples_per_sec"]) == 2 and len(r["one_worker"]) == 2
         assert r["efficiency"] == [t / (2 * o) for t, o in zip(r["samples_per_sec"], r["one_worker"])]

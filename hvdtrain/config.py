@@ -119,8 +119,9 @@ class Config:
     # elastic training: under `horovodrun --min-np/--max-np --host-discovery-script`
     elastic: bool = _f(False, "elastic training: keep going when workers die, take in hosts that "
                               "appear (needs horovodrun with --host-discovery-script or --min-np)")
-    commit_every: int = _f(10, "elastic: commit the training state every N steps (and every epoch); "
-                               "a failure rolls back to the last commit")
+    commit_every: int = _f(10, "elastic: commit the training state every N steps (and every epoch; with "
+                               "--steps-per-execution K, at the end of the call that reaches them); a "
+                               "failure rolls back to the last commit")
 
     # ---- validation: the one place ----
     def validate(self, model_object: bool = False, data_object: bool = False) -> "Config":

@@ -530,6 +530,24 @@ def explain(e: Exception) -> str:
     return f"{type(e).__name__}" + (f" at {node.group(1)}" if node else "") + f": {message}"
 
 
+def elastic_commits(cfg: Config, model, state) -> list:
+    """The callbacks that keep hvd.elastic's state: the epoch, and a commit every `commit_every` steps.
+    Horovod's CommitStateCallback counts Keras' calls of the step, which run steps_per_execution
+    steps each, so it is given calls: a commit at the end of the call that reaches every N steps."""
+    import math
+
+    import horovod.tensorflow.keras as hvd
+    import tensorflow as tf
+
+    calls = math.ceil(cfg.commit_every / int(model.steps_per_execution.numpy()))
+    return [
+        # Horovod's UpdateEpochStateCallback counts from a fit() that starts at epoch 0; ours passes
+        # initial_epoch so schedules and checkpoints see the true epoch, so the epoch is stored as is.
+        tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(state, "epoch", epoch + 1)),
+        hvd.elastic.CommitStateCallback(state, batches_per_commit=calls),
+    ]
+
+
 def fit_elastic(cfg: Config, model, shard, ckpts, trainer: Trainer):
     """Training that outlives its workers, with Horovod's elastic API.
 
@@ -568,15 +586,9 @@ def fit_elastic(cfg: Config, model, shard, ckpts, trainer: Trainer):
                        "lr": lr})
         log.info("elastic round %d: %d workers from epoch %d, lr %s", len(rounds), world.size,
                  state.epoch + 1, f"{lr:g}" if lr is not None else "(schedule)")
-        keep_state = [
-            # Horovod's UpdateEpochStateCallback counts from a fit() that starts at epoch 0; ours passes
-            # initial_epoch so schedules and checkpoints see the true epoch, so the epoch is stored as is.
-            tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: setattr(state, "epoch", epoch + 1)),
-            hvd.elastic.CommitStateCallback(state, batches_per_commit=cfg.commit_every),
-        ]
         try:
-            return fit_on_shard(cfg, model, data, world, ckpts, int(state.epoch), trainer, keep_state,
-                                first_step)
+            return fit_on_shard(cfg, model, data, world, ckpts, int(state.epoch), trainer,
+                                elastic_commits(cfg, model, state), first_step)
         except tf.errors.OpError as e:
             # hvd.elastic.run rolls back on errors of the ops it names (HorovodAllreduce, ...) and
             # returns None on any other: a lost peer seen by a grouped allreduce must roll back too

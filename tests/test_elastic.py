@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, job_env, processes_of
+from conftest import BIN, PYTHON, ROOT, job_env, processes_of, run_worker_script
 
 EPOCHS = 60
 
@@ -109,6 +109,14 @@ def test_elastic_job_takes_in_a_new_host_loses_a_worker_and_still_finishes_every
     assert summary["metrics"]["val_accuracy"] > 0.9
     assert f"ckpt-{EPOCHS}" in (ckpt / "checkpoint").read_text()  # every requested epoch ran
     assert processes_of(tmp_path, settle=2) == []
+
+
+def test_elastic_commits_every_commit_every_steps_also_with_several_steps_per_call():
+    """Horovod's CommitStateCallback counts Keras' calls of the step; with 4 steps per call it used to
+    commit every 40 steps for --commit-every 10 (and lose up to 40 steps to a dead worker)."""
+    committed = run_worker_script(1, None, "elastic_commits_check.py")
+    assert committed["1"] == [10, 20, 30, 40, 40]  # and at the epoch's end
+    assert committed["4"] == [12, 24, 36, 40]  # at the end of the call that reaches every 10 steps
 
 
 def test_elastic_flag_outside_an_elastic_launch_is_a_clear_error(tmp_path):

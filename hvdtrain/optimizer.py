@@ -214,7 +214,6 @@ def broadcast_initial_state(model, root_rank: int = 0):
         hvd.broadcast_variables(model.optimizer.variables, root_rank=root_rank)
 
 
-
 def _vocabulary(layer) -> tuple:
     """What set_vocabulary takes back: the tokens, and in "tf_idf" mode their IDF weights too (Keras
     refuses the tokens alone there). The weights sit after the special tokens' ([UNK], ...)."""

@@ -621,9 +621,10 @@ def _loss_scaling(model) -> bool:
 
 
 def export_model(model, run_dir: str) -> str:
-    """Save the model without its compile state (the optimizer is Horovod's wrapper): model.keras
-    loads with plain `tf.keras.models.load_model`, no Horovod needed. A subclassed model, which Keras
-    cannot rebuild from a config, is saved as weights (model.weights.h5) for the user's own class."""
+    """Save the model as compiled, with the user's own optimizer class in place of Horovod's wrapper
+    (a subclass Horovod makes on the fly, which only Horovod could load) and its slots: model.keras
+    loads with plain `tf.keras.models.load_model`, ready to evaluate or train on. A subclassed model,
+    which Keras cannot rebuild from a config, is saved as weights (model.weights.h5) for its class."""
     import tensorflow as tf
 
     try:
@@ -633,9 +634,31 @@ def export_model(model, run_dir: str) -> str:
         model.save_weights(path)
         return path
     plain.set_weights(model.get_weights())
+    try:
+        _compile_as_trained(plain, model)
+    except Exception as e:  # a loss or metric Keras cannot rebuild from its config (a lambda, ...)
+        log.warning("model.keras is saved without its compile state (%s); compile it after loading", explain(e))
     path = os.path.join(run_dir, "model.keras")
     plain.save(path)
     return path
+
+
+def _compile_as_trained(plain, model):
+    """Compile `plain` as `model` is, with the user's optimizer class (and its slots, from `model`'s)."""
+    import tensorflow as tf
+
+    opt = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # under a LossScaleOptimizer
+    user_class = next(c for c in type(opt).__mro__ if not c.__module__.startswith("horovod"))
+    mine = user_class.from_config(opt.get_config())
+    if opt is not model.optimizer:
+        mine = tf.keras.mixed_precision.LossScaleOptimizer(mine)
+    config = model.get_compile_config()
+    config["optimizer"] = tf.keras.optimizers.serialize(mine)
+    plain.compile_from_config(config)
+    slots, trained = plain.optimizer.variables, model.optimizer.variables
+    if [v.shape for v in slots] == [v.shape for v in trained]:
+        for mine, theirs in zip(slots, trained):
+            mine.assign(theirs)
 
 
 @rank0_only

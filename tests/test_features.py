@@ -104,6 +104,10 @@ def test_mixed_precision_trains_with_loss_scaling_where_needed(precision, loss_s
     s = train(2, "gloo", out, *FAST, "--epochs", "3", "--precision", precision)
     assert s["precision"] == {"policy": precision, "loss_scaling": loss_scaling}
     assert len(set(s["weights_sha256_by_rank"])) == 1 and np.isfinite(s["metrics"]["loss"])
+    import tensorflow as tf
+
+    saved = tf.keras.models.load_model(out / "model.keras").optimizer  # compiled as it trained
+    assert isinstance(saved, tf.keras.mixed_precision.LossScaleOptimizer) == loss_scaling
 
 
 # ---------------------------------------------------------------- schedules and knobs

@@ -61,9 +61,10 @@ def test_binary_classifier_keeps_the_users_auc_combined_exactly_over_workers(out
     assert s["model"]["loss"] == "binary_crossentropy (model.compile)"
     assert s["metrics"]["val_auc"] > 0.95
     # The AUC of the whole validation set, not a mean of the two workers' AUCs: a 1-worker evaluation
-    # of the saved weights gives the same value
+    # of the saved model, loaded as compiled (loss, metrics, the user's Adam and its slots), agrees
     model = _saved(out)
-    model.compile(loss="binary_crossentropy", metrics=[tf.keras.metrics.AUC(name="auc"), "accuracy"])
+    assert type(model.optimizer) is tf.keras.optimizers.Adam and model.optimizer.iterations.numpy() == 6 * s["steps_per_epoch"]
+    assert model.optimizer.get_config()["learning_rate"] == pytest.approx(2e-3)  # as it ended: 1e-3 x 2 workers
     x, y = _val("breast_cancer")
     one = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
     assert one["auc"] == pytest.approx(s["metrics"]["val_auc"], abs=1e-6)

@@ -40,6 +40,12 @@ def test_a_model_compiled_with_steps_per_execution_auto_trains_with_one_count_on
     assert "compiled with steps_per_execution='auto': it trains with 1" in res["log"]
 
 
+def test_a_model_whose_loss_keras_cannot_rebuild_is_saved_uncompiled_and_says_so(out):
+    train(1, None, out, "--model", "user_models:lambda_loss", "--data", "user_data:diabetes", "--epochs", "1")
+    assert "model.keras is saved without its compile state" in (out / "logs" / "rank0.log").read_text()
+    assert _saved(out).optimizer is None
+
+
 def test_regression_on_diabetes_beats_predicting_the_mean(out):
     s = train(2, "mpirun", out, "--model", "user_models:regression", "--data", "user_data:diabetes",
               "--epochs", "30")

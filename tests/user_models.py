@@ -28,6 +28,13 @@ def auto_steps_regression():
     return model
 
 
+def lambda_loss():
+    """A loss written inline as a lambda: Keras will not rebuild it from a saved config."""
+    model = keras.Sequential([layers.Input((10,)), layers.Dense(1)], name="lambda_loss")
+    model.compile("adam", loss=lambda y, p: tf.reduce_mean(tf.square(y - p)))
+    return model
+
+
 def binary():
     """scikit-learn's breast_cancer: a sigmoid unit, binary crossentropy and the user's own AUC."""
     model = keras.Sequential([layers.Input((30,)), layers.Dense(16, activation="relu"),

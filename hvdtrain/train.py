@@ -286,8 +286,8 @@ def _finished_run(cfg: Config):
         if path and epoch >= cfg.epochs:
             decision = _read_summary(cfg)
             runtime.say(f"hvdtrain: already trained to epoch {epoch} of {cfg.epochs} in {cfg.run_dir}: "
-                        f"nothing to do; --epochs N trains further; --no-auto-resume or another "
-                        f"--output-dir starts over")
+                        f"nothing to do; --epochs N (hvdtrain.fit: epochs=N) trains further; --no-auto-resume "
+                        f"(auto_resume=False) or another --output-dir starts over")
         elif not path:
             _keep_previous_run(cfg)
     return runtime.gather(decision)[0]

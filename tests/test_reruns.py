@@ -30,8 +30,8 @@ def test_a_finished_run_is_left_alone_and_more_epochs_continue_it(tmp_path):
     before = _outputs(tmp_path)
     again = _hvdtrain(1, None, tmp_path, *FAST, "--epochs", "2")
     assert again.returncode == 0, again.stdout[-3000:]
-    assert (f"already trained to epoch 2 of 2 in {tmp_path}: nothing to do; --epochs N trains further; "
-            f"--no-auto-resume or another --output-dir starts over") in again.stdout
+    assert (f"already trained to epoch 2 of 2 in {tmp_path}: nothing to do; --epochs N (hvdtrain.fit: epochs=N) "
+            f"trains further; --no-auto-resume (auto_resume=False) or another --output-dir starts over") in again.stdout
     assert "samples/s" not in again.stdout and "resumed" not in again.stdout  # nothing trained
     assert _outputs(tmp_path) == before
     more = train(1, None, tmp_path, *FAST, "--epochs", "3")

@@ -142,10 +142,17 @@ def compile_plan(model, cfg) -> Compile:
         metrics = user.get("metrics")
     else:
         metrics = [_named_metric("accuracy", binary_logits)]
+    steps_per_execution = cfg.steps_per_execution or user.get("steps_per_execution")
+    if steps_per_execution == "auto":  # Keras retunes it from each process's own clock, in a thread
+        steps_per_execution = 1
+        notes.append("the model was compiled with steps_per_execution='auto': it trains with 1, since Keras "
+                     "would tune it on each rank's own clock and the ranks must call back at the same steps "
+                     "(a checkpoint inside an epoch gathers from all); pass --steps-per-execution N (10 "
+                     "doubled a small MLP's throughput here)")
     kwargs = {"loss": loss, "metrics": metrics,
               "loss_weights": user.get("loss_weights"), "weighted_metrics": user.get("weighted_metrics"),
               "run_eagerly": user.get("run_eagerly"),
-              "steps_per_execution": cfg.steps_per_execution or user.get("steps_per_execution"),
+              "steps_per_execution": steps_per_execution,
               "jit_compile": cfg.jit_compile if cfg.jit_compile is not None else user.get("jit_compile")}
     return Compile(user.get("optimizer"), kwargs, described, notes)
 

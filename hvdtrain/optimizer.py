@@ -204,10 +204,13 @@ def broadcast_initial_state(model, root_rank: int = 0):
     if hvd.size() > 1:
         # model.variables also lists lookup tables' handlers (TextVectorization, StringLookup): not
         # variables. Each rank adapted its own table, maybe on data in another order (a vocabulary's
-        # ties then fall differently): rank 0's vocabulary goes to every rank, so a token has one id.
-        for layer in model.submodules:
-            if hasattr(layer, "get_vocabulary") and hasattr(layer, "set_vocabulary"):
-                vocab = hvd.broadcast_object(_vocabulary(layer), root_rank=root_rank, name=f"vocab.{layer.name}")
+        # ties then fall differently): rank 0's vocabularies go to every rank, so a token has one id.
+        lookups = [l for l in model.submodules if hasattr(l, "get_vocabulary") and hasattr(l, "set_vocabulary")]
+        inner = {id(getattr(l, "_lookup_layer", None)) for l in lookups}  # a TextVectorization's StringLookup
+        lookups = [l for l in lookups if id(l) not in inner]
+        if lookups:
+            mine = [_vocabulary(l) for l in lookups] if hvd.rank() == root_rank else None
+            for layer, vocab in zip(lookups, hvd.broadcast_object(mine, root_rank=root_rank, name="hvdtrain.vocab")):
                 layer.set_vocabulary(*vocab)
         variables = [v for v in model.variables if isinstance(v, tf.Variable)]
         hvd.broadcast_variables(variables, root_rank=root_rank)

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -200,7 +201,6 @@ def compile_for_training(model, cfg: Config, world: runtime.World):
     returns (cfg with the one-worker lr it trains with, Trainer)."""
     plan = models.compile_plan(model, cfg)
     _xla_only_where_horovod_has_it(plan, cfg, world)
-    _steps_per_execution_every_rank_shares(plan)
     opt, info, notes = optimizer.choose(cfg, plan.optimizer)
     cfg = dataclasses.replace(cfg, lr=info["lr"] if info["lr"] is not None else cfg.lr)
     model.compile(optimizer=optimizer.distributed(opt, cfg), **plan.kwargs)
@@ -226,18 +226,6 @@ def _xla_only_where_horovod_has_it(plan, cfg: Config, world: runtime.World):
     plan.kwargs["jit_compile"] = False
     plan.notes.append("the model was compiled with jit_compile=True: XLA is off, since it cannot compile "
                       "Horovod's allreduce on CPU workers (Horovod has XLA kernels for GPUs only)")
-
-
-def _steps_per_execution_every_rank_shares(plan):
-    """Keras' steps_per_execution="auto" retunes the count from each process's own clock, in a thread:
-    ranks would then return from the step, and call back (a checkpoint inside an epoch gathers from
-    every rank there), at different steps. A fixed count, the one "auto" starts from, and a note."""
-    if plan.kwargs.get("steps_per_execution") != "auto":
-        return
-    plan.kwargs["steps_per_execution"] = 1
-    plan.notes.append("the model was compiled with steps_per_execution='auto': it trains with 1, since "
-                      "Keras would tune it on each rank's own clock and the ranks must call back at the same "
-                      "steps; pass --steps-per-execution N (10 doubled a small MLP's throughput here)")
 
 
 def _build_loss_and_metrics(model, element_spec):
@@ -534,8 +522,6 @@ def elastic_commits(cfg: Config, model, state) -> list:
     """The callbacks that keep hvd.elastic's state: the epoch, and a commit every `commit_every` steps.
     Horovod's CommitStateCallback counts Keras' calls of the step, which run steps_per_execution
     steps each, so it is given calls: a commit at the end of the call that reaches every N steps."""
-    import math
-
     import horovod.tensorflow.keras as hvd
     import tensorflow as tf
 
@@ -649,16 +635,16 @@ def _compile_as_trained(plain, model):
 
     opt = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # under a LossScaleOptimizer
     user_class = next(c for c in type(opt).__mro__ if not c.__module__.startswith("horovod"))
-    mine = user_class.from_config(opt.get_config())
+    users = user_class.from_config(opt.get_config())
     if opt is not model.optimizer:
-        mine = tf.keras.mixed_precision.LossScaleOptimizer(mine)
+        users = tf.keras.mixed_precision.LossScaleOptimizer(users)
     config = model.get_compile_config()
-    config["optimizer"] = tf.keras.optimizers.serialize(mine)
+    config["optimizer"] = tf.keras.optimizers.serialize(users)
     plain.compile_from_config(config)
     slots, trained = plain.optimizer.variables, model.optimizer.variables
     if [v.shape for v in slots] == [v.shape for v in trained]:
-        for mine, theirs in zip(slots, trained):
-            mine.assign(theirs)
+        for slot, value in zip(slots, trained):
+            slot.assign(value)
 
 
 @rank0_only

@@ -4,7 +4,7 @@
               efficiency total(N) / (N x one worker), every worker at the same thread budget; beside
               it the limit with no overlap: compute / (compute + gradient bytes / allreduce bandwidth)
   levers      Horovod's and Keras' levers one at a time against hvdtrain's defaults (fp16 compression,
-              fusion buffer, cycle time, grouped allreduce, MPI binding; steps per execution), with one
+              fusion buffer, cycle time, grouped allreduce, MPI binding; one step per call), with one
               worker in every round: efficiency and the ratio to the defaults
   allreduce   hvd.allreduce bus bandwidth over sizes, beside mpi4py's Allreduce and a memcpy (the
               ceiling), busbw = algbw x 2(n-1)/n as nccl-tests define it
@@ -150,14 +150,14 @@ LEVERS = {
     "cycle-5ms": (("--cycle-time-ms", "5"), None),  # fewer, fuller cycles (Horovod: 1 ms)
     "groups-4": (("--allreduce-groups", "4"), None),  # each quarter of the gradients sent when ready
     "bind-cores": ((), "-bind-to core -map-by core"),  # each rank on its own core (ours: unbound)
-    "spe-10": (("--steps-per-execution", "10"), None),  # Keras: 10 steps per call of the step
+    "spe-1": (("--steps-per-execution", "1"), None),  # Keras: one step per call (the default: 10)
     "side-by-side": (None, None),  # no allreduce: N one-worker runs at once (_side_by_side)
 }
 # each model's levers: the allreduce's for the one whose gradients are large, the per-step overhead's
 # for the one whose steps take milliseconds
 LEVER_SETS = {"resnet50": ["defaults", "side-by-side", "fp16", "fusion-16mb", "cycle-5ms", "groups-4",
                           "bind-cores"],
-              "mlp": ["defaults", "spe-10"], "cnn": ["defaults", "spe-10"]}
+              "mlp": ["defaults", "spe-1"], "cnn": ["defaults", "spe-1"]}
 
 
 def levers(args, out: Path) -> dict:

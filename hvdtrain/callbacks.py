@@ -196,7 +196,7 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: int):
+def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: int, per_call: int = 1):
     """The callback that writes checkpoints (ckpts: a checkpoint.Checkpoints), or None.
 
     At the end of every --checkpoint-every epochs; and inside epochs every --checkpoint-every-steps
@@ -204,6 +204,10 @@ def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: 
     every rank is told), so that every rank reaches the save, and its collective, at the same step.
     Only then does Keras call a per-batch hook; it reads no tensor (the step count is Keras' own) and takes
     the step's logs as they are, so Keras syncs nothing for it.
+
+    Keras calls back only between calls of the compiled step (per_call steps each), so the call before
+    a save is cut short to end on it: Keras reads the count before every call (its own tuner and its
+    epoch's last call change it the same way), and the same cut on every rank keeps them in step.
     """
     import tensorflow as tf
 
@@ -225,6 +229,13 @@ def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: 
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
             self.offset = first_step if epoch == first_epoch else 0  # Keras counts from the resume
+            self.align(epoch * steps_per_epoch + self.offset)
+
+        def on_train_end(self, logs=None):
+            self.align(None)  # the model keeps the count it was compiled with
+
+        def align(self, now):
+            pass
 
         def on_epoch_end(self, epoch, logs=None):
             done = epoch + 1
@@ -262,16 +273,22 @@ def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: 
             self.mark = (now, time.perf_counter())
             self.next_at = now + self.every
 
+        def align(self, now):
+            """The next call runs up to the next save at most (all of per_call when now is None)."""
+            if per_call > 1:
+                self.model.steps_per_execution = per_call if now is None else \
+                    min(per_call, max(1, self.next_at - now))
+
         def on_train_batch_end(self, batch, logs=None):
             step = self.offset + batch + 1
             now = self.epoch * steps_per_epoch + step
-            if now < self.next_at or self.step_due_at_end:
-                return
-            if not self.measured:  # the first measurement, turning minutes into steps: no save
-                self.retime(now)
-            elif step >= steps_per_epoch:  # the epoch's end saves, after the ranks agree there
-                self.step_due_at_end = True
-            else:
-                self.save(self.epoch, step)
+            if now >= self.next_at and not self.step_due_at_end:
+                if not self.measured:  # the first measurement, turning minutes into steps: no save
+                    self.retime(now)
+                elif step >= steps_per_epoch:  # the epoch's end saves, after the ranks agree there
+                    self.step_due_at_end = True
+                else:
+                    self.save(self.epoch, step)
+            self.align(now)
 
     return (StepCheckpoints if by_steps else EpochCheckpoints)()

@@ -24,6 +24,9 @@ DATA_SOURCES = ("digits", "synthetic", "npz:PATH", "tfrecord:GLOB", "mnist", "fa
 OPTIMIZERS = ("sgd", "momentum", "adam", "rmsprop")
 # What a field left unset (None) falls back to when neither the model's own compile nor the data decide
 DEFAULT_BATCH_SIZE, DEFAULT_LR, DEFAULT_OPTIMIZER = 32, 1e-3, "adam"
+# Keras steps per call of the compiled step: ahead of 1 on every built-in model at 2 workers (MLP 2x,
+# ResNet-50 +4%, docs/benchmarks.md); 1 under --elastic, where Horovod's commit callback counts calls
+DEFAULT_STEPS_PER_EXECUTION = 10
 BUILT_IN_VAL_SPLIT = 0.2  # held out from the built-in data sets that come without a validation split
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = ("constant", "step", "cosine")
@@ -72,9 +75,10 @@ class Config:
     verbose: int = _f(1, "progress on rank 0: 0 silent, 1 a line every --log-every seconds (a bar on a "
                          "terminal) and one per epoch, 2 one line per epoch")
     log_every: float = _f(30.0, "seconds between progress lines within an epoch (verbose 1)")
-    steps_per_execution: Optional[int] = _f(None, "training steps per call of the compiled step (Keras); "
-                                                  "more amortizes Python overhead for small models; "
-                                                  "default: the model's compile, else 1")
+    steps_per_execution: Optional[int] = _f(None, "training steps per call of the compiled step (Keras): "
+                                                  "fewer Python round trips per step; step checkpoints "
+                                                  "still land on their steps; default: the model's "
+                                                  "compile, else 10 (1 with --elastic)")
     jit_compile: Optional[bool] = _f(None, "compile the training step with XLA (GPU workers only: Horovod "
                                            "has XLA kernels for its allreduce only there); "
                                            "default: the model's compile, else off")

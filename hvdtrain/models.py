@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
-from .config import UserError
+from .config import DEFAULT_STEPS_PER_EXECUTION, UserError
 from .data import resolve
 
 _FROM_LOGITS_LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "binary_crossentropy")
@@ -115,6 +115,7 @@ class Compile:
     optimizer: object  # the model's compiled optimizer (None: not compiled)
     kwargs: dict  # everything model.compile takes but the optimizer
     loss: str  # what the loss is, in words, for the summary
+    steps_per_execution: int  # what it trains with: asked for, or hvdtrain's default
     notes: list = field(default_factory=list)
 
 
@@ -142,19 +143,19 @@ def compile_plan(model, cfg) -> Compile:
         metrics = user.get("metrics")
     else:
         metrics = [_named_metric("accuracy", binary_logits)]
-    steps_per_execution = cfg.steps_per_execution or user.get("steps_per_execution")
-    if steps_per_execution == "auto":  # Keras retunes it from each process's own clock, in a thread
-        steps_per_execution = 1
-        notes.append("the model was compiled with steps_per_execution='auto': it trains with 1, since Keras "
-                     "would tune it on each rank's own clock and the ranks must call back at the same steps "
-                     "(a checkpoint inside an epoch gathers from all); pass --steps-per-execution N (10 "
-                     "doubled a small MLP's throughput here)")
+    asked = cfg.steps_per_execution or user.get("steps_per_execution")
+    per_call = asked if isinstance(asked, int) else 1 if cfg.elastic else DEFAULT_STEPS_PER_EXECUTION
+    if asked == "auto":  # Keras retunes it from each process's own clock, in a thread
+        notes.append(f"the model was compiled with steps_per_execution='auto': it trains with {per_call} "
+                     f"steps per call (hvdtrain's default), since Keras would tune it on each rank's own "
+                     f"clock and the ranks must call back at the same steps (a checkpoint inside an epoch "
+                     f"gathers from all)")
     kwargs = {"loss": loss, "metrics": metrics,
               "loss_weights": user.get("loss_weights"), "weighted_metrics": user.get("weighted_metrics"),
               "run_eagerly": user.get("run_eagerly"),
-              "steps_per_execution": steps_per_execution,
+              "steps_per_execution": asked,  # as the user compiled it: model.keras keeps it
               "jit_compile": cfg.jit_compile if cfg.jit_compile is not None else user.get("jit_compile")}
-    return Compile(user.get("optimizer"), kwargs, described, notes)
+    return Compile(user.get("optimizer"), kwargs, described, per_call, notes)
 
 
 def _keras_train_step():

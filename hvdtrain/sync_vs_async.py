@@ -80,6 +80,7 @@ def _horovod(args, run_dir, task, n, seed, train, launcher) -> dict:
     flags = ["--model", model, "--data", "digits", "--epochs", str(args.study_epochs), "--batch-size",
              str(BATCH), "--optimizer", "momentum", "--lr", str(LR), "--warmup-epochs", "0",
              "--seed", str(seed), "--threads", "1", "--checkpoint-every", "0", "--checkpoint-every-steps", "0",
+             "--steps-per-execution", "1",  # as its peers: the study compares update rules, not call overhead
              "--no-keep-best", "--no-tensorboard", "--no-save-model", "--no-worker-logs", "--verbose", "0"]
     s = train(launcher(n), run_dir, flags)
     h, samples = s["history"], s["steps_per_epoch"] * s["global_batch_size"]

@@ -144,6 +144,7 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
         "last_epoch": first_epoch + len(history.epoch),
         "steps_per_epoch": data.steps_per_epoch,
         "batch_size_per_worker": data.batch_size,
+        "steps_per_execution": trainer.steps_per_execution,
         "global_batch_size": data.batch_size * world.size * cfg.backward_passes_per_step,
         "data": {"sharding": data.sharding, "samples": data.num_samples,
                  "validation": data.val is not None},
@@ -188,6 +189,7 @@ class Trainer:
     learning_rate: object  # optimizer.LearningRate, or None (a compiled schedule runs as is)
     optimizer: dict
     loss: str
+    steps_per_execution: int
     notes: list
     cfg: Config
 
@@ -205,13 +207,15 @@ def compile_for_training(model, cfg: Config, world: runtime.World):
     cfg = dataclasses.replace(cfg, lr=info["lr"] if info["lr"] is not None else cfg.lr)
     model.compile(optimizer=optimizer.distributed(opt, cfg), **plan.kwargs)
     model.autotune_steps_per_execution = False  # Keras' compile leaves a user's "auto" tuner on
+    model.steps_per_execution = plan.steps_per_execution  # the compile config keeps the user's own
     if cfg.reduction == "adasum":
         optimizer.use_adasum(model, cfg, world)
     learning_rate = optimizer.LearningRate(cfg, info["lr"]) if info["lr"] is not None else None
     optimizer.wrap_train_step(model, learning_rate)
-    log.info("%s: loss %s; %s from %s, lr %s for one worker", model.name, plan.loss, info["class"],
-             info["source"], "a schedule" if info["lr"] is None else f"{info['lr']:g}")
-    return cfg, Trainer(learning_rate, info, plan.loss, plan.notes + notes, cfg)
+    log.info("%s: loss %s; %s from %s, lr %s for one worker; %d steps per call", model.name, plan.loss,
+             info["class"], info["source"], "a schedule" if info["lr"] is None else f"{info['lr']:g}",
+             plan.steps_per_execution)
+    return cfg, Trainer(learning_rate, info, plan.loss, plan.steps_per_execution, plan.notes + notes, cfg)
 
 
 def _xla_only_where_horovod_has_it(plan, cfg: Config, world: runtime.World):
@@ -375,7 +379,8 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
     import tensorflow as tf
 
     epoch_end, progress = callbacks_lib.make(cfg, data, world.size, world.is_chief)
-    saver = callbacks_lib.checkpoints(cfg, ckpts, data.steps_per_epoch, first_epoch, first_step)
+    saver = callbacks_lib.checkpoints(cfg, ckpts, data.steps_per_epoch, first_epoch, first_step,
+                                      trainer.steps_per_execution)
     callbacks = keras_callbacks(cfg, data, world, saver, epoch_end, progress, extra_callbacks)
     iteration = int(model.optimizer.iterations.numpy()) - first_step  # at the start of first_epoch
     if trainer.learning_rate is not None:
@@ -518,14 +523,14 @@ def explain(e: Exception) -> str:
     return f"{type(e).__name__}" + (f" at {node.group(1)}" if node else "") + f": {message}"
 
 
-def elastic_commits(cfg: Config, model, state) -> list:
+def elastic_commits(cfg: Config, per_call: int, state) -> list:
     """The callbacks that keep hvd.elastic's state: the epoch, and a commit every `commit_every` steps.
     Horovod's CommitStateCallback counts Keras' calls of the step, which run steps_per_execution
     steps each, so it is given calls: a commit at the end of the call that reaches every N steps."""
     import horovod.tensorflow.keras as hvd
     import tensorflow as tf
 
-    calls = math.ceil(cfg.commit_every / int(model.steps_per_execution.numpy()))
+    calls = math.ceil(cfg.commit_every / per_call)
     return [
         # Horovod's UpdateEpochStateCallback counts from a fit() that starts at epoch 0; ours passes
         # initial_epoch so schedules and checkpoints see the true epoch, so the epoch is stored as is.
@@ -574,7 +579,7 @@ def fit_elastic(cfg: Config, model, shard, ckpts, trainer: Trainer):
                  state.epoch + 1, f"{lr:g}" if lr is not None else "(schedule)")
         try:
             return fit_on_shard(cfg, model, data, world, ckpts, int(state.epoch), trainer,
-                                elastic_commits(cfg, model, state), first_step)
+                                elastic_commits(cfg, trainer.steps_per_execution, state), first_step)
         except tf.errors.OpError as e:
             # hvd.elastic.run rolls back on errors of the ops it names (HorovodAllreduce, ...) and
             # returns None on any other: a lost peer seen by a grouped allreduce must roll back too

@@ -47,10 +47,10 @@ def test_bench_reports_scaling_allreduce_and_keras_baseline_round_by_round(tmp_p
 
 def test_bench_measures_each_lever_alone_against_the_defaults_round_by_round(tmp_path):
     text, res = _bench(tmp_path, "--controllers", "mpi", "--sections", "levers", "--steps", "1",
-                       "--repeats", "2", "--lever-models", "mlp", "--levers", "bind-cores,spe-10,side-by-side")
+                       "--repeats", "2", "--lever-models", "mlp", "--levers", "bind-cores,spe-1,side-by-side")
     lv = res["levers"]
     assert lv["workers"] == 2 and lv["controller"] == "mpi"
-    assert [r["lever"] for r in lv["rows"]] == ["defaults", "bind-cores", "spe-10", "side-by-side"]
+    assert [r["lever"] for r in lv["rows"]] == ["defaults", "bind-cores", "spe-1", "side-by-side"]
     side = tmp_path / "levers-mlp-side-by-side-0"  # one timed worker, its copy trained beside it, then ended
     assert json.loads((side / "summary.json").read_text())["world_size"] == 1
     copy = (side / "copy-0.out").read_text()

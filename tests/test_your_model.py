@@ -32,12 +32,28 @@ def test_a_model_compiled_for_xla_trains_on_cpu_workers_with_xla_off_and_says_so
     assert s["model"]["loss"] == "mse (model.compile)" and _same_weights_on_every_rank(s)
 
 
-def test_a_model_compiled_with_steps_per_execution_auto_trains_with_one_count_on_every_rank_and_says_so():
+def test_a_model_compiled_with_steps_per_execution_auto_trains_with_the_default_count_on_every_rank_and_says_so():
     """Keras' "auto" retunes the count on each process's own clock, so ranks would call back (a checkpoint
     inside an epoch gathers from all) at different steps; and Keras' compile leaves the tuner on."""
     res = run_worker_script(2, "gloo", "steps_per_execution_check.py")
-    assert res["ranks"] == [{"steps_per_execution": 1, "tuning": False}] * 2
-    assert "compiled with steps_per_execution='auto': it trains with 1" in res["log"]
+    assert res["ranks"] == [{"steps_per_execution": 10, "tuning": False}] * 2
+    assert "compiled with steps_per_execution='auto': it trains with 10 steps per call" in res["log"]
+
+
+@pytest.mark.parametrize("flag, compiled, elastic, trains_with", [
+    (None, None, False, 10), (None, None, True, 1), (None, 3, False, 3), (None, 1, False, 1), (5, 3, False, 5),
+    (None, 3, True, 3)], ids=["default", "elastic", "compiled", "compiled-one", "flag-wins", "elastic-compiled"])
+def test_steps_per_execution_is_the_flag_else_the_users_compile_else_ten_or_one_under_elastic(
+        flag, compiled, elastic, trains_with):
+    import user_models
+    from hvdtrain import config, models
+
+    model = user_models.regression()
+    if compiled:
+        model.compile("adam", "mse", steps_per_execution=compiled)
+    plan = models.compile_plan(model, config.Config(steps_per_execution=flag, elastic=elastic))
+    assert plan.steps_per_execution == trains_with
+    assert plan.kwargs["steps_per_execution"] == (flag or compiled)  # what model.compile keeps and saves
 
 
 def test_a_model_whose_loss_keras_cannot_rebuild_is_saved_uncompiled_and_says_so(out):
@@ -71,6 +87,9 @@ def test_binary_classifier_keeps_the_users_auc_combined_exactly_over_workers(out
     model = _saved(out)
     assert type(model.optimizer) is tf.keras.optimizers.Adam and model.optimizer.iterations.numpy() == 6 * s["steps_per_epoch"]
     assert model.optimizer.get_config()["learning_rate"] == pytest.approx(2e-3)  # as it ended: 1e-3 x 2 workers
+    # trained 10 steps per call, hvdtrain's default; saved with the count the user compiled (none: Keras' 1)
+    assert s["steps_per_execution"] == 10 and model.get_compile_config()["steps_per_execution"] is None
+    assert int(model.steps_per_execution.numpy()) == 1
     x, y = _val("breast_cancer")
     one = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
     assert one["auc"] == pytest.approx(s["metrics"]["val_auc"], abs=1e-6)

@@ -18,6 +18,6 @@ for per_call in (1, 4):
     steps, commit = [], state.commit
     state.commit = lambda: (steps.append(int(model._train_counter.numpy())), commit())
     model.fit(np.zeros((40 * 8, 4)), np.zeros(40 * 8), batch_size=8, epochs=1, verbose=0,
-              callbacks=train.elastic_commits(config.Config(commit_every=10), model, state))
+              callbacks=train.elastic_commits(config.Config(commit_every=10), per_call, state))
     committed[per_call] = steps
 print("RESULT " + json.dumps(committed), flush=True)

@@ -95,7 +95,11 @@ def make(cfg, data, world_size: int, chief: bool):
             logs["lr"] = float(self.model.optimizer.learning_rate.numpy())
 
         def _validate(self) -> dict:
-            """This rank's part of the validation set, then the metrics of all parts together."""
+            """This rank's part of the validation set, then the metrics of all parts together. A part
+            of unknown size is evaluated one step per call: Keras runs several only on a known count."""
+            per_call = int(self.model.steps_per_execution.numpy())
+            if int(data.val.cardinality()) < 0:
+                self.model.steps_per_execution = 1
             try:
                 local = self.model.evaluate(data.val, verbose=0, return_dict=True)
             except ValueError as e:  # Keras' word for a shard with no batch: it adds nothing
@@ -103,6 +107,8 @@ def make(cfg, data, world_size: int, chief: bool):
                     raise
                 self.model.reset_metrics()
                 local = {k: 0.0 for k in self.model.get_metrics_result()}
+            finally:
+                self.model.steps_per_execution = per_call
             return combined_metrics(self.model, local)
 
         def samples_per_sec(self) -> float:

@@ -581,8 +581,9 @@ def _under_the_maps(ds):
 
 
 def shard(ds, rank: int, workers: int):
-    """(this worker's shard of ds, a pipeline with the same count that skips the parsing, "file" or
-    "element", why not by file or None).
+    """(this worker's shard of ds, a pipeline with the same count that skips the parsing, "file",
+    "element" or "batch" (element sharding of a batched pipeline, whose elements are batches), why not
+    by file or None, in those same words).
 
     By file when the pipeline reads files and every worker's share of them holds data: TensorFlow's
     auto-shard rewrite (what tf.distribute does) inserts the shard in front of the reader. tf.data's
@@ -596,18 +597,19 @@ def shard(ds, rank: int, workers: int):
     policy = ds.options().experimental_distribute.auto_shard_policy
     if workers == 1 or policy == tf.data.experimental.AutoShardPolicy.OFF:
         return ds, reader, "none", None
-    by_element = (ds.shard(workers, rank), reader.shard(workers, rank), "element")
+    unit, units = ("batch", "batches") if batching(ds)[0] else ("element", "elements")
+    by_element = (ds.shard(workers, rank), reader.shard(workers, rank), unit)
     if policy == tf.data.experimental.AutoShardPolicy.DATA:
         return (*by_element, None)
     reads = _in_graph(ds)
     # asked anyway, TensorFlow's rewrite logs a 100-line error before it gives up
     if not reads & _SHARDABLE_READERS:
         why = (f"its reader ({', '.join(sorted(reads))}) cannot be sharded by file by TensorFlow: sharded "
-               f"by element instead, so every worker reads every file") if reads else None
+               f"by {unit} instead, so every worker reads every file") if reads else None
         return (*by_element, why)
     if _in_graph(ds, {"RangeDataset"}):  # a source the rewrite cannot walk past
-        return (*by_element, "it numbers its elements (enumerate, as --val-split does), which TensorFlow "
-                             "cannot shard by file: sharded by element instead, so every worker reads every file")
+        return (*by_element, f"it numbers its {units} (enumerate, as --val-split does), which TensorFlow "
+                             f"cannot shard by file: sharded by {unit} instead, so every worker reads every file")
     try:
         by_file = _auto_sharded(ds, workers, rank)
     except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError):
@@ -619,7 +621,7 @@ def shard(ds, rank: int, workers: int):
         nothing = True
     empty = runtime.gather(int(nothing))
     if any(empty):
-        why = (f"it reads fewer files than the {workers} workers: sharded by element instead, so every "
+        why = (f"it reads fewer files than the {workers} workers: sharded by {unit} instead, so every "
                f"worker reads every file")
         return (*by_element, why)
     return by_file, my_reader, "file", None
@@ -684,12 +686,10 @@ def _from_pipeline(cfg: Config, world: World, name: str, train, val, user_shards
         sharded, countable, how, why = shard(train, world.rank, world.size)
         if how == "file":  # shuffle after sharding: each worker shuffles its own records
             pre, post = sharded, (lambda ds: ds)
-        elif how == "element":  # shuffle before: every rank shuffles the same way, keeps its part
+        elif how in ("element", "batch"):  # shuffle before: every rank shuffles the same way, keeps its part
             pre, post = train, (lambda ds: ds.shard(world.size, world.rank))
         else:
             pre, post = train, (lambda ds: ds)
-        if how == "element" and batched:
-            how = "batch"
         if why:
             notes.append(f"{name}: {why}")
     if val is not None:

@@ -57,18 +57,21 @@ def test_fewer_files_than_workers_falls_back_to_element_sharding_and_says_so(tmp
                 env=env)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "reads fewer files than the 2 workers: sharded by element instead" in proc.stdout
+    assert ", sharded by element: " in proc.stdout and "sharded by batch" not in proc.stdout
     s = _summary(tmp_path / "run")
     assert s["data"]["sharding"] == "element" and s["steps_per_epoch"] == 600 // 2 // 32
 
 
-def test_csv_files_whose_reader_cannot_be_sharded_by_file_are_sharded_by_element_and_say_so(tmp_path):
+def test_batched_csv_files_whose_reader_cannot_be_sharded_by_file_are_sharded_by_batch_and_say_so_once(tmp_path):
+    """The note and the training line name the same unit: a batched pipeline's elements are batches."""
     import user_data
 
     user_data.write_csv(str(tmp_path / "csv"), 4)
     proc = _job(2, "gloo", tmp_path / "run", *SGD_MODEL, "--data", "user_data:csv_files", "--epochs", "1",
                 env={"CSV": str(tmp_path / "csv")})
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "its reader (CSVDataset) cannot be sharded by file by TensorFlow: sharded by element" in proc.stdout
+    assert "its reader (CSVDataset) cannot be sharded by file by TensorFlow: sharded by batch instead" in proc.stdout
+    assert ", sharded by batch: " in proc.stdout and "sharded by element" not in proc.stdout
     assert "tf_auto_shard failed" not in proc.stdout  # TensorFlow's rewrite is not asked, so it dumps nothing
     s = _summary(tmp_path / "run")
     assert s["data"]["sharding"] == "batch" and s["steps_per_epoch"] == 1797 // 32 // 2

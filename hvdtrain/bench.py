@@ -151,12 +151,15 @@ LEVERS = {
     "groups-4": (("--allreduce-groups", "4"), None),  # each quarter of the gradients sent when ready
     "bind-cores": ((), "-bind-to core -map-by core"),  # each rank on its own core (ours: unbound)
     "spe-1": (("--steps-per-execution", "1"), None),  # Keras: one step per call (the default: 10)
+    # Horovod's local gradient aggregation: one allreduce every 2 micro-batches. Not the same training
+    # (an update per 2 batches, of twice the batch), so it is a lever to choose, never a default.
+    "bpps-2": (("--backward-passes-per-step", "2"), None),
     "side-by-side": (None, None),  # no allreduce: N one-worker runs at once (_side_by_side)
 }
 # each model's levers: the allreduce's for the one whose gradients are large, the per-step overhead's
 # for the one whose steps take milliseconds
 LEVER_SETS = {"resnet50": ["defaults", "side-by-side", "fp16", "fusion-16mb", "cycle-5ms", "groups-4",
-                          "bind-cores"],
+                          "bind-cores", "bpps-2"],
               "mlp": ["defaults", "spe-1"], "cnn": ["defaults", "spe-1"]}
 
 

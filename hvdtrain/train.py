@@ -55,8 +55,8 @@ def fit(model, data, validation_data=None, **config) -> dict:
 
 
 def _label(obj) -> str:
-    """What names a model or data object in the output dir and the summary: a model's name, a
-    function's, else the kind of object (dataset, tuple)."""
+    """What names a model or data object in the output dir, the log and the summary: a model's name,
+    a function's, else what it holds ("dataset" for one or a (train, val) pair, "arrays" for (x, y))."""
     if isinstance(obj, str):
         return obj
     import tensorflow as tf
@@ -65,6 +65,8 @@ def _label(obj) -> str:
         return obj.name
     if isinstance(obj, tf.data.Dataset):
         return "dataset"
+    if isinstance(obj, (tuple, list)):
+        return "dataset" if all(isinstance(o, tf.data.Dataset) for o in obj if o is not None) else "arrays"
     return re.sub(r"[^A-Za-z0-9_.-]", "_", getattr(obj, "__name__", None) or type(obj).__name__)
 
 

@@ -187,3 +187,15 @@ def test_val_split_of_a_file_pipeline_says_it_shards_by_element_without_tensorfl
     assert "it numbers its elements (enumerate, as --val-split does)" in proc.stdout
     assert "tf_auto_shard failed" not in proc.stdout
     assert _summary(tmp_path / "run")["data"] == {"sharding": "element", "samples": 480, "validation": True}
+
+
+def test_data_objects_are_named_by_what_they_hold_in_the_output_dir_and_the_log():
+    """hvdtrain.fit(model, (train, val)) writes runs/<model>-dataset, and (x, y) runs/<model>-arrays:
+    the name shows in the log and the summary, where 'tuple' said nothing."""
+    import tensorflow as tf
+    from hvdtrain import config, train
+
+    ds = tf.data.Dataset.range(4)
+    assert train._label(ds) == train._label((ds, ds)) == train._label([ds, None]) == "dataset"
+    assert train._label((np.zeros((4, 2)), np.zeros(4))) == "arrays"
+    assert config.Config(model="mlp", data=train._label((ds, ds))).run_dir == os.path.join("runs", "mlp-dataset")

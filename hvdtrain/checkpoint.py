@@ -240,6 +240,9 @@ def epoch_of(path: str) -> int:
 
 
 MUST_MATCH = ("model", "data", "optimizer", "precision", "synthetic_shape", "synthetic_classes")
+# what hvdtrain.fit named a (train, val) pair or (x, y) arrays before they were named "dataset" and
+# "arrays": its checkpoints still resume
+_FORMER_NAMES = {("data", "tuple"): ("dataset", "arrays")}
 
 
 def check_same_job(cfg: Config, path: str) -> dict:
@@ -248,7 +251,7 @@ def check_same_job(cfg: Config, path: str) -> dict:
     found = meta(path)
     saved, now = found.get("config", {}), cfg.to_dict()
     diff = [f"{k}: {saved[k]!r} there, {now[k]!r} now" for k in MUST_MATCH
-            if k in saved and saved[k] != now[k]]
+            if k in saved and saved[k] != now[k] and now[k] not in _FORMER_NAMES.get((k, saved[k]), ())]
     if diff:
         raise UserError(f"checkpoint {path} belongs to a different job ({'; '.join(diff)}); "
                         f"use another --output-dir, or --no-auto-resume to start over")

@@ -199,3 +199,19 @@ def test_data_objects_are_named_by_what_they_hold_in_the_output_dir_and_the_log(
     assert train._label(ds) == train._label((ds, ds)) == train._label([ds, None]) == "dataset"
     assert train._label((np.zeros((4, 2)), np.zeros(4))) == "arrays"
     assert config.Config(model="mlp", data=train._label((ds, ds))).run_dir == os.path.join("runs", "mlp-dataset")
+
+
+def test_checkpoints_of_a_data_pair_named_tuple_before_still_resume(tmp_path):
+    import hvdtrain.checkpoint as ckpt
+    from hvdtrain import config
+
+    def saved_with(data):
+        (tmp_path / ckpt.META).write_text(json.dumps({"config": config.Config(model="m", data=data).to_dict()}))
+        return str(tmp_path / "ckpt-3")
+
+    ckpt.check_same_job(config.Config(model="m", data="dataset"), saved_with("tuple"))
+    ckpt.check_same_job(config.Config(model="m", data="arrays"), saved_with("tuple"))
+    with pytest.raises(config.UserError, match="data: 'tuple' there, 'synthetic' now"):
+        ckpt.check_same_job(config.Config(model="m", data="synthetic"), saved_with("tuple"))
+    with pytest.raises(config.UserError, match="data: 'dataset' there, 'arrays' now"):
+        ckpt.check_same_job(config.Config(model="m", data="arrays"), saved_with("dataset"))

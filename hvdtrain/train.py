@@ -512,6 +512,11 @@ def log_file() -> str | None:
 def explain(e: Exception) -> str:
     """The op and the message that explain a failed step, from TensorFlow's long error text."""
     text = str(e)
+    # several steps per call: Keras' loop over steps hides the step's own error behind AutoGraph's
+    # "'outputs' must be defined before the loop", and names it in a note
+    hidden = re.search(r"AutoGraph tried to define it automatically, but ran into an? (\w+): (.+)", text)
+    if hidden:
+        return f"{hidden.group(1)}: {hidden.group(2).strip()[:400]}"
     node = re.search(r"\{\{node ([^}]+)\}\}", text) or re.search(r"Detected at node '?([^'\s]+)", text)
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     # TensorFlow puts the cause after the "defined at" traceback and before [[{{node ...}}]]

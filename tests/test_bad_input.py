@@ -33,6 +33,12 @@ CASES = {
                                           "cannot import module 'no_such_pkg.models'"),
     "data function that does not exist": (["--data", "json:no_such_function"],
                                           "module 'json' has no function 'no_such_function'"),
+    # Keras' own error, not the "'outputs' must be defined before the loop" that several steps per
+    # call wrap it in
+    "a compiled loss and data without targets": (["--model", "user_models:regression", "--data",
+                                                  "user_data:diabetes_features_only"],
+                                                 "at epoch 1, step 1: ValueError: Target data is missing. "
+                                                 "Your model was compiled with loss=mse"),
 }
 
 

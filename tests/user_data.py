@@ -22,6 +22,12 @@ def diabetes():
     return _split(x.astype(np.float32), ((y - y.mean()) / y.std()).astype(np.float32), 89)
 
 
+def diabetes_features_only():
+    """The diabetes features without their target, as a user who forgets to return it writes it."""
+    x, _ = load_diabetes(return_X_y=True)
+    return tf.data.Dataset.from_tensor_slices(x.astype(np.float32))
+
+
 def breast_cancer():
     x, y = load_breast_cancer(return_X_y=True)
     x = ((x - x.mean(0)) / x.std(0)).astype(np.float32)

@@ -511,12 +511,16 @@ def log_file() -> str | None:
 
 def explain(e: Exception) -> str:
     """The op and the message that explain a failed step, from TensorFlow's long error text."""
-    text = str(e)
+    text, kind = str(e), type(e).__name__
     # several steps per call: Keras' loop over steps hides the step's own error behind AutoGraph's
     # "'outputs' must be defined before the loop", and names it in a note
-    hidden = re.search(r"AutoGraph tried to define it automatically, but ran into an? (\w+): (.+)", text)
+    hidden = re.search(r"AutoGraph tried to define it automatically, but ran into an? (\w+): ", text)
     if hidden:
-        return f"{hidden.group(1)}: {hidden.group(2).strip()[:400]}"
+        text, kind = text[hidden.end():], hidden.group(1)
+    # a Keras layer's error: its message sits between "Exception encountered when calling layer" and
+    # the arguments of the call
+    text = re.sub(r"Call arguments received by layer.*", "", text, flags=re.S)
+    text = re.sub(r"Exception encountered when calling layer[^\n]*", "", text)
     node = re.search(r"\{\{node ([^}]+)\}\}", text) or re.search(r"Detected at node '?([^'\s]+)", text)
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     # TensorFlow puts the cause after the "defined at" traceback and before [[{{node ...}}]]
@@ -525,9 +529,9 @@ def explain(e: Exception) -> str:
              and not re.match(r"^(\S+\.py|<\S+>|\w[\w.]*\(|return |self\.|x = |outputs = )", l)
              and "defined at (most recent call last)" not in l]
     cause = [re.sub(r"\s*\[Op:\S+\]", "", l) for l in cause]
-    message = (cause[-1] if cause else lines[-1] if lines else type(e).__name__)[:400]
-    message = re.sub(rf"^{type(e).__name__}: ", "", message)
-    return f"{type(e).__name__}" + (f" at {node.group(1)}" if node else "") + f": {message}"
+    message = (cause[-1] if cause else lines[-1] if lines else kind)[:400]
+    message = re.sub(rf"^{kind}: ", "", message)
+    return kind + (f" at {node.group(1)}" if node else "") + f": {message}"
 
 
 def elastic_commits(cfg: Config, per_call: int, state) -> list:

@@ -39,6 +39,10 @@ CASES = {
                                                   "user_data:diabetes_features_only"],
                                                  "at epoch 1, step 1: ValueError: Target data is missing. "
                                                  "Your model was compiled with loss=mse"),
+    # a Keras layer's own message, not the arguments of the call that Keras lists after it
+    "raw text into a numeric model": (["--model", "user_models:regression", "--data", "user_data:reviews"],
+                                      'step 1: ValueError: Input 0 of layer "dense" is incompatible with the '
+                                      'layer: expected min_ndim=2, found ndim=1'),
 }
 
 

@@ -91,7 +91,11 @@ def make(cfg, data, world_size: int, chief: bool):
             logs.update(combined_metrics(self.model, {k: v for k, v in logs.items()
                                                       if not k.startswith("val_")}))
             if data.val is not None:
-                logs.update({f"val_{k}": v for k, v in self._validate().items()})
+                try:
+                    logs.update({f"val_{k}": v for k, v in self._validate().items()})
+                except Exception as e:  # train.fit_fixed says it was validation, not a training step
+                    e.hvdtrain_validating_after_epoch = epoch + 1
+                    raise
             logs["lr"] = float(self.model.optimizer.learning_rate.numpy())
 
         def _validate(self) -> dict:

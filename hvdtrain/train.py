@@ -455,11 +455,14 @@ def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch
         raise
     except Exception as e:
         done = int(model.optimizer.iterations.numpy()) - iteration
-        where = f"epoch {first_epoch + done // data.steps_per_epoch + 1}, step {done % data.steps_per_epoch + 1}"
-        _report_training_failure(e, where, world, workers)
+        after = getattr(e, "hvdtrain_validating_after_epoch", None)  # set by callbacks.EpochEnd
+        what, where = ("validation", f"after epoch {after}") if after else (
+            "the training step",
+            f"at epoch {first_epoch + done // data.steps_per_epoch + 1}, step {done % data.steps_per_epoch + 1}")
+        _report_training_failure(e, what, where, world, workers)
 
 
-def _report_training_failure(e, where: str, world, workers):
+def _report_training_failure(e, what: str, where: str, world, workers):
     """One line for the cause, from the rank that hit it; the traceback in that rank's log file.
 
     Horovod gives every other rank the same words whether a peer died or a peer's own step raised (and
@@ -487,10 +490,9 @@ def _report_training_failure(e, where: str, world, workers):
             log.error("rank %d stopped: a peer's training step failed (it reports why)", world.rank,
                       extra=runtime.FILE_ONLY)
         raise SystemExit(1)
-    log.error("training step failed on rank %d", world.rank, exc_info=e, extra=runtime.FILE_ONLY)
+    log.error("%s failed on rank %d", what, world.rank, exc_info=e, extra=runtime.FILE_ONLY)
     logfile = f"; traceback in {log_file()}" if log_file() else ""
-    raise runtime.TrainingFailed(f"the training step failed on rank {world.rank} at {where}: "
-                                 f"{explain(e)}{logfile}") from None
+    raise runtime.TrainingFailed(f"{what} failed on rank {world.rank} {where}: {explain(e)}{logfile}") from None
 
 
 def _alive(pid: int) -> bool:

@@ -43,6 +43,12 @@ CASES = {
     "raw text into a numeric model": (["--model", "user_models:regression", "--data", "user_data:reviews"],
                                       'step 1: ValueError: Input 0 of layer "dense" is incompatible with the '
                                       'layer: expected min_ndim=2, found ndim=1'),
+    # it is evaluate that fails, after the first epoch trained: not "epoch 2, step 1"
+    "validation data of another shape": (["--model", "user_models:regression", "--data",
+                                          "user_data:diabetes_val_of_8_features"],
+                                         'validation failed on rank 0 after epoch 1: ValueError: Input 0 of layer '
+                                         '"diabetes_regressor" is incompatible with the layer: expected '
+                                         'shape=(None, 10), found shape=(None, 8)'),
 }
 
 

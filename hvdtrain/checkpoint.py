@@ -71,8 +71,11 @@ class Checkpoints:
             return
         world = runtime.world()
         row = self.ranks[world.rank] if len(self.ranks) == world.size else self.ranks.mean(axis=0)
+        variables = per_rank_variables(self.model)
+        if row.size != sum(int(np.prod(v.shape)) for v in variables):
+            variables = per_rank_variables(self.model, frozen=True)  # written before frozen ones were left out
         offset = 0
-        for v in per_rank_variables(self.model):
+        for v in variables:
             n = int(np.prod(v.shape))
             v.assign(row[offset:offset + n].reshape(v.shape).astype(v.dtype.as_numpy_dtype))
             offset += n
@@ -176,13 +179,21 @@ class Checkpoints:
 RANKS = "ranks/.ATTRIBUTES/VARIABLE_VALUE"
 
 
-def per_rank_variables(model) -> list:
-    """What each rank holds alone between epoch ends: non-trainable float variables (BatchNorm's
-    moving statistics), averaged over ranks only at the end of an epoch. (Keras also lists lookup
-    tables' handlers here, TextVectorization's and StringLookup's: not variables, left out.)"""
+def per_rank_variables(model, frozen: bool = False) -> list:
+    """What each rank holds alone between epoch ends: the non-trainable float variables of layers that
+    train (BatchNorm's moving statistics), averaged over ranks only at the end of an epoch. A frozen
+    layer (`trainable = False`: a pretrained base; its BatchNorm runs in inference mode) never changes
+    its variables, so they stay as rank 0 broadcast them and are left out: one copy in a checkpoint,
+    not one per rank. (Keras also lists lookup tables' handlers here, TextVectorization's and
+    StringLookup's: not variables, left out.) `frozen=True`: the frozen ones too, as checkpoints
+    written before they were left out hold them."""
     import tensorflow as tf
 
-    return [v for v in model.non_trainable_variables if isinstance(v, tf.Variable) and v.dtype.is_floating]
+    fixed = set() if frozen else {v.ref() for layer in model.submodules
+                                  if isinstance(layer, tf.keras.layers.Layer) and not layer.trainable
+                                  for v in layer.weights}
+    return [v for v in model.non_trainable_variables
+            if isinstance(v, tf.Variable) and v.dtype.is_floating and v.ref() not in fixed]
 
 
 def own_state(model):

@@ -155,6 +155,49 @@ def test_batchnorm_statistics_agree_across_ranks(out):
     assert _same_weights_on_every_rank(s)  # moving mean and variance included
 
 
+@pytest.mark.parametrize("builder", ["frozen_mobilenet", "fine_tuned_mobilenet"])
+def test_what_a_pretrained_base_holds_that_no_step_changes_comes_back_bit_identical_at_three_workers(
+        builder, tmp_path):
+    """keras.io's transfer learning at 3 workers: all of a frozen base, and a fine-tuned base's BatchNorm
+    statistics (called in inference mode), end exactly as built. Horovod's float32 average over 3
+    ranks moved about a third of such values by one ulp at every epoch end; and a step checkpoint held
+    one float64 copy of a frozen base per rank."""
+    import user_models
+
+    s = train(3, "mpirun", tmp_path, "--model", f"user_models:{builder}", "--data", "user_data:digits_rgb32",
+              "--epochs", "2", "--steps-per-epoch", "6", "--checkpoint-every-steps", "4", timeout=600)
+    assert len(s["weights_sha256_by_rank"]) == 3 and len(set(s["weights_sha256_by_rank"])) == 1
+    built, trained = getattr(user_models, builder)().layers[1], _saved(tmp_path).layers[1]
+    assert len(built.non_trainable_weights) >= 100  # 104 BatchNorm statistics, or the whole base
+    for before, after in zip(built.non_trainable_weights, trained.non_trainable_weights):
+        assert before.name == after.name and np.array_equal(before.numpy(), after.numpy()), after.name
+    if builder == "frozen_mobilenet":
+        size = {p.name.split(".")[0]: p.stat().st_size for p in (tmp_path / "checkpoints").glob("*.data-*")}
+        step = [n for n in size if "-step-" in n]
+        assert step and max(size[n] for n in step) < 1.2 * size["ckpt-2"], size
+
+
+def test_a_step_checkpoint_that_held_frozen_layers_per_rank_still_resumes_each_ranks_statistics():
+    """Step checkpoints written before frozen layers were left out of each rank's own state hold them
+    too: a resume reads the statistics that train at their old place."""
+    from tensorflow import keras
+
+    from hvdtrain.checkpoint import Checkpoints, per_rank_variables
+    from hvdtrain.config import Config
+
+    base = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization()])
+    base.trainable = False
+    model = keras.Sequential([keras.Input((4,)), base, keras.layers.BatchNormalization()])
+    model.compile("adam", "mse")
+    before = per_rank_variables(model, frozen=True)
+    assert len(per_rank_variables(model)) == 2 < len(before)  # the head's moving mean and variance
+    row = np.arange(sum(v.shape.num_elements() for v in before), dtype=np.float64)
+    ckpts = Checkpoints(Config(), model)
+    ckpts.ranks = row[None]
+    ckpts.take_own_state()
+    assert np.array_equal(np.concatenate([v.numpy().ravel() for v in before]), row)
+
+
 def test_a_user_compiled_model_at_two_workers_equals_one_worker_with_twice_the_batch(tmp_path):
     common = ("--model", "user_models:plain_sgd", "--data", "user_data:digits", "--warmup-epochs", "0",
               "--epochs", "2", "--steps-per-epoch", "6", "--seed", "7")

@@ -271,3 +271,36 @@ def text_tf_idf():
     model = keras.Model(inputs, layers.Dense(1, activation="sigmoid")(x), name="text_tf_idf")
     model.compile("adam", "binary_crossentropy", metrics=["accuracy"])
     return model
+
+
+def frozen_mobilenet():
+    """keras.io's transfer learning: a pretrained base, frozen, called in inference mode, under a new
+    head. The seeds stand for weights="imagenet" (no download here): the same base at every build,
+    with BatchNorm statistics that a pretraining left, not Keras' initial 0 and 1."""
+    keras.utils.set_random_seed(3)
+    base = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, include_top=False,
+                                          weights=None)
+    rng = np.random.default_rng(3)
+    for w in base.non_trainable_weights:
+        w.assign((rng.uniform(0.5, 2.0, w.shape) if "variance" in w.name else rng.normal(0, 0.5, w.shape))
+                 .astype(np.float32))
+    base.trainable = False
+    inputs = keras.Input((32, 32, 3))
+    x = base(inputs, training=False)
+    x = layers.GlobalAveragePooling2D()(x)
+    x = layers.Dropout(0.2)(x)
+    outputs = layers.Dense(10)(x)
+    model = keras.Model(inputs, outputs, name="frozen_mobilenet")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def fine_tuned_mobilenet():
+    """keras.io's second step: the base unfrozen to fine-tune at a low learning rate, still called in
+    inference mode, so its BatchNorm statistics stay as they were loaded."""
+    model = frozen_mobilenet()
+    model.layers[1].trainable = True
+    model.compile(optimizer=keras.optimizers.Adam(1e-5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model

@@ -55,6 +55,9 @@ class Config:
                                    "take from_logits from the model's output activation")
     metrics: Optional[tuple] = _f(None, "Keras metric names; default: the compiled metrics, else "
                                         "accuracy", nargs="*", item=str)
+    class_weight: tuple = _f((), "each class's weight in the loss, Keras' fit(class_weight=): "
+                                 "--class-weight 0=1 1=5 (YAML and hvdtrain.fit: {0: 1, 1: 5}); "
+                                 "default: none", nargs="*", item=str, pairs=True)
     warmup_epochs: float = _f(1.0, "epochs of linear warm-up from lr to lr x workers (0: none)")
     seed: int = _f(42, "random seed for weights and data order")
     output_dir: Optional[str] = _f(None, "where everything the run writes goes "
@@ -149,6 +152,7 @@ class Config:
             raise UserError(f"--metrics takes Keras metric names, got {list(self.metrics)}")
         if self.loss is not None and not self.loss:
             raise UserError("--loss takes a Keras loss name, e.g. mse or binary_crossentropy")
+        self.class_weights()
         if self.threads < 0:
             raise UserError(f"--threads must be >= 0, got {self.threads}")
         if any(d <= 0 for d in self.synthetic_shape):
@@ -200,6 +204,21 @@ class Config:
         elif not _is_module_ref(self.data):
             raise UserError(f"unknown data source {self.data!r}; choose one of {', '.join(DATA_SOURCES)}")
         return self
+
+    def class_weights(self) -> Optional[dict]:
+        """--class-weight as Keras' fit takes it, {class index: weight}; None when not given."""
+        weights = {}
+        for pair in self.class_weight:
+            k, sep, v = pair.partition("=")
+            try:
+                k, v = int(k), float(v)
+            except ValueError:
+                k = None
+            if not sep or k is None or k < 0 or not v >= 0 or k in weights:
+                raise UserError(f"--class-weight takes CLASS=WEIGHT pairs, one per class (a class index "
+                                f">= 0, a weight >= 0), e.g. --class-weight 0=1 1=5; got {pair!r}")
+            weights[k] = v
+        return weights or None
 
     @property
     def run_dir(self) -> str:
@@ -308,6 +327,8 @@ def _coerce(f, value, key):
         return None
     try:
         if "tuple" in t:
+            if f.metadata.get("pairs") and isinstance(value, dict):
+                value = [f"{k}={v}" for k, v in value.items()]  # YAML `class_weight: {0: 1, 1: 5}`
             if isinstance(value, str) and f.metadata.get("item") is str:
                 value = [value]  # YAML `metrics: accuracy`
             if not isinstance(value, (list, tuple)):

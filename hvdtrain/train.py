@@ -394,11 +394,12 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
             parts.append(model.fit(data.stream(first_epoch, first_epoch + 1, skip=first_step),
                                    epochs=first_epoch + 1, initial_epoch=first_epoch,
                                    steps_per_epoch=data.steps_per_epoch - first_step,
-                                   callbacks=callbacks, verbose=0))
+                                   class_weight=cfg.class_weights(), callbacks=callbacks, verbose=0))
         start = first_epoch + len(parts)
         if start < cfg.epochs and not (parts and model.stop_training):
             parts.append(model.fit(data.stream(start, cfg.epochs), epochs=cfg.epochs, initial_epoch=start,
-                                   steps_per_epoch=data.steps_per_epoch, callbacks=callbacks, verbose=0))
+                                   steps_per_epoch=data.steps_per_epoch, class_weight=cfg.class_weights(),
+                                   callbacks=callbacks, verbose=0))
     except tf.errors.InvalidArgumentError as e:
         step = optimizer.NonFiniteUpdate.step_of(e)
         if step is None:

@@ -60,3 +60,15 @@ def test_every_flag_reaches_the_workers_through_horovodrun_argument_parsing(monk
         monkeypatch.setattr(sys, "argv", argv)
         args = launch.parse_args()
         assert args.command == argv[3:], flag
+
+
+def test_class_weight_is_the_same_mapping_from_flags_yaml_and_the_python_api(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("class_weight: {0: 1, 1: 5}\n")
+    assert config.load(["--config", str(f)]).class_weights() == {0: 1.0, 1: 5.0}
+    assert config.load(["--class-weight", "0=1", "1=5"]).class_weights() == {0: 1.0, 1: 5.0}
+    assert config.from_dict({"class_weight": {0: 1, 1: 5.0}}).validate().class_weights() == {0: 1.0, 1: 5.0}
+    assert config.load([]).class_weights() is None  # Keras' default: every class weighs 1
+    for bad in (["0=1", "1=x"], ["0:1"], ["0=-1"], ["0=1", "0=2"], ["0=nan"], {-1: 2}, {"a": 1}):
+        with pytest.raises(UserError, match="--class-weight takes CLASS=WEIGHT pairs"):
+            config.from_dict({"class_weight": bad}).validate()

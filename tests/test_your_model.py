@@ -96,6 +96,24 @@ def test_binary_classifier_keeps_the_users_auc_combined_exactly_over_workers(out
     assert one["loss"] == pytest.approx(s["metrics"]["val_loss"], rel=1e-5)
 
 
+def test_class_weight_trains_exactly_as_the_same_weights_given_per_sample(tmp_path):
+    """keras.io's imbalanced classification passes fit(class_weight=...): --class-weight trains as the
+    data's own per-sample weights do, at 2 workers, and not as unweighted training."""
+    common = ("--model", "user_models:binary", "--epochs", "2", "--seed", "3")
+    s = train(2, "mpirun", tmp_path / "flag", *common, "--data", "user_data:breast_cancer",
+              "--class-weight", "0=3", "1=0.5")
+    assert s["config"]["class_weight"] == ["0=3", "1=0.5"]
+    train(2, "mpirun", tmp_path / "samples", *common, "--data", "user_data:breast_cancer_weighted")
+    train(2, "mpirun", tmp_path / "none", *common, "--data", "user_data:breast_cancer")
+    weights = {run: _saved(tmp_path / run).get_weights() for run in ("flag", "samples", "none")}
+
+    def max_diff(a, b):
+        return max(float(np.abs(x - y).max()) for x, y in zip(weights[a], weights[b]))
+
+    assert max_diff("flag", "samples") < 1e-6
+    assert max_diff("flag", "none") > 1e-3
+
+
 def test_one_hot_labels_train_with_categorical_crossentropy(out):
     s = train(2, "mpirun", out, "--model", "user_models:mnist_convnet", "--data", "user_data:digits_onehot",
               "--epochs", "4")

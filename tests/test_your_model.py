@@ -178,12 +178,12 @@ def test_what_a_pretrained_base_holds_that_no_step_changes_comes_back_bit_identi
         builder, tmp_path):
     """keras.io's transfer learning at 3 workers: all of a frozen base, and a fine-tuned base's BatchNorm
     statistics (called in inference mode), end exactly as built. Horovod's float32 average over 3
-    ranks moved about a third of such values by one ulp at every epoch end; and a step checkpoint held
+    ranks moved about a third of such values by one ulp at each epoch end; and a step checkpoint held
     one float64 copy of a frozen base per rank."""
     import user_models
 
     s = train(3, "mpirun", tmp_path, "--model", f"user_models:{builder}", "--data", "user_data:digits_rgb32",
-              "--epochs", "2", "--steps-per-epoch", "6", "--checkpoint-every-steps", "4", timeout=600)
+              "--epochs", "1", "--steps-per-epoch", "6", "--checkpoint-every-steps", "4", timeout=600)
     assert len(s["weights_sha256_by_rank"]) == 3 and len(set(s["weights_sha256_by_rank"])) == 1
     built, trained = getattr(user_models, builder)().layers[1], _saved(tmp_path).layers[1]
     assert len(built.non_trainable_weights) >= 100  # 104 BatchNorm statistics, or the whole base
@@ -192,7 +192,7 @@ def test_what_a_pretrained_base_holds_that_no_step_changes_comes_back_bit_identi
     if builder == "frozen_mobilenet":
         size = {p.name.split(".")[0]: p.stat().st_size for p in (tmp_path / "checkpoints").glob("*.data-*")}
         step = [n for n in size if "-step-" in n]
-        assert step and max(size[n] for n in step) < 1.2 * size["ckpt-2"], size
+        assert step and max(size[n] for n in step) < 1.2 * size["ckpt-1"], size
 
 
 def test_a_step_checkpoint_that_held_frozen_layers_per_rank_still_resumes_each_ranks_statistics():

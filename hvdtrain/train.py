@@ -48,6 +48,14 @@ def fit(model, data, validation_data=None, **config) -> dict:
     for key in ("model", "data", "config"):
         if key in config:
             raise UserError(f"hvdtrain.fit: pass {key} positionally, not as a config key")
+    if "validation_split" in config:  # Keras' name
+        raise UserError("hvdtrain.fit: Keras' validation_split is val_split here (held out by position)")
+    if "callbacks" in config:
+        raise UserError("hvdtrain.fit takes no Keras callbacks yet: it sets the learning rate at every "
+                        "step (warm-up, lr_schedule), which would silently undo ReduceLROnPlateau or "
+                        "LearningRateScheduler, and every rank would run a callback that writes files. "
+                        "Early stopping (early_stopping_patience, monitor), the best model (keep_best), "
+                        "checkpoints and TensorBoard are config fields")
     model_object, data_object = not isinstance(model, str), not isinstance(data, str)
     cfg = config_lib.from_dict({**config, "model": _label(model), "data": _label(data)}).validate(
         model_object=model_object, data_object=data_object)

@@ -231,6 +231,16 @@ def test_a_user_compiled_model_at_two_workers_equals_one_worker_with_twice_the_b
     assert max_diff("two", "unscaled") > 1e-3  # the comparison can tell a different update apart
 
 
+def test_keras_fit_arguments_that_hvdtrain_does_not_take_say_what_to_use_instead():
+    import hvdtrain
+    from hvdtrain.config import UserError
+
+    with pytest.raises(UserError, match="Keras' validation_split is val_split here"):
+        hvdtrain.fit("mlp", "digits", validation_split=0.2)
+    with pytest.raises(UserError, match="silently undo ReduceLROnPlateau"):
+        hvdtrain.fit("mlp", "digits", callbacks=[])
+
+
 @pytest.mark.parametrize("launcher", ["gloo", None])
 def test_the_python_api_script_trains_under_horovodrun_and_plain_python(launcher, tmp_path):
     import json

@@ -310,11 +310,23 @@ def load(argv=None) -> Config:
     return from_dict(values).validate()
 
 
+# Keras fit() arguments a user may bring, and what to use here instead
+_KERAS_FIT = {
+    "validation_split": "Keras' validation_split is val_split here (held out by position)",
+    "callbacks": "hvdtrain takes no Keras callbacks yet: it sets the learning rate at every step (warm-up, "
+                 "lr_schedule), which would silently undo ReduceLROnPlateau or LearningRateScheduler, and "
+                 "every rank would run a callback that writes files. Early stopping (early_stopping_patience, "
+                 "monitor), the best model (keep_best), checkpoints and TensorBoard are config fields",
+}
+
+
 def from_dict(values: dict) -> Config:
     known = {f.name: f for f in dataclasses.fields(Config)}
     kwargs = {}
     for key, value in values.items():
         name = key.replace("-", "_")
+        if name in _KERAS_FIT:
+            raise UserError(_KERAS_FIT[name])
         if name not in known:
             raise UserError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
         kwargs[name] = _coerce(known[name], value, key)

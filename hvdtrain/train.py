@@ -48,14 +48,6 @@ def fit(model, data, validation_data=None, **config) -> dict:
     for key in ("model", "data", "config"):
         if key in config:
             raise UserError(f"hvdtrain.fit: pass {key} positionally, not as a config key")
-    if "validation_split" in config:  # Keras' name
-        raise UserError("hvdtrain.fit: Keras' validation_split is val_split here (held out by position)")
-    if "callbacks" in config:
-        raise UserError("hvdtrain.fit takes no Keras callbacks yet: it sets the learning rate at every "
-                        "step (warm-up, lr_schedule), which would silently undo ReduceLROnPlateau or "
-                        "LearningRateScheduler, and every rank would run a callback that writes files. "
-                        "Early stopping (early_stopping_patience, monitor), the best model (keep_best), "
-                        "checkpoints and TensorBoard are config fields")
     model_object, data_object = not isinstance(model, str), not isinstance(data, str)
     cfg = config_lib.from_dict({**config, "model": _label(model), "data": _label(data)}).validate(
         model_object=model_object, data_object=data_object)
@@ -396,17 +388,17 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
     if trainer.learning_rate is not None:
         trainer.learning_rate.start(optimizer.lr_multiplier(cfg, world), first_epoch, iteration,
                                     data.steps_per_epoch)
-    parts = []
+    parts, class_weight = [], cfg.class_weights()
     try:
         if first_step:  # the rest of a resumed epoch: Keras' epochs all have steps_per_epoch steps
             parts.append(model.fit(data.stream(first_epoch, first_epoch + 1, skip=first_step),
                                    epochs=first_epoch + 1, initial_epoch=first_epoch,
                                    steps_per_epoch=data.steps_per_epoch - first_step,
-                                   class_weight=cfg.class_weights(), callbacks=callbacks, verbose=0))
+                                   class_weight=class_weight, callbacks=callbacks, verbose=0))
         start = first_epoch + len(parts)
         if start < cfg.epochs and not (parts and model.stop_training):
             parts.append(model.fit(data.stream(start, cfg.epochs), epochs=cfg.epochs, initial_epoch=start,
-                                   steps_per_epoch=data.steps_per_epoch, class_weight=cfg.class_weights(),
+                                   steps_per_epoch=data.steps_per_epoch, class_weight=class_weight,
                                    callbacks=callbacks, verbose=0))
     except tf.errors.InvalidArgumentError as e:
         step = optimizer.NonFiniteUpdate.step_of(e)

@@ -1,7 +1,9 @@
 """hvdtrain: data-parallel Keras training on Horovod's ring-allreduce.
 
 TensorFlow is an extra (`cpu` or `gpu`) because the two wheels provide the same module and must not
-both be installed. Horovod must be built *after* TensorFlow (scripts/setup.sh does it in order).
+both be installed; scripts/setup.sh picks its version by stack (keras3: 2.18.1, keras2: 2.15.1).
+Horovod must be built *after* TensorFlow (scripts/setup.sh does it in order). The build itself is
+declared in pyproject.toml.
 """
 from setuptools import find_packages, setup
 
@@ -10,17 +12,17 @@ setup(
     version="0.1.0",
     description="Data-parallel training of Keras models with Horovod ring-allreduce",
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
-    python_requires=">=3.9,<3.12",
+    python_requires=">=3.9,<3.13",
     install_requires=[
-        "numpy<2",
+        "numpy",
         "mpi4py>=3.1,<5",
         "pyyaml>=5.4",
         "scikit-learn>=1.2,<1.6",
         "horovod==0.28.1",
     ],
     extras_require={
-        "cpu": ["tensorflow-cpu==2.15.1"],
-        "gpu": ["tensorflow[and-cuda]==2.15.1"],
+        "cpu": ["tensorflow-cpu>=2.15.1,<2.19"],
+        "gpu": ["tensorflow[and-cuda]>=2.15.1,<2.19"],
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib>=3.6"],
     },
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.__main__:main"]},

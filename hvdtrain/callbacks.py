@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from . import runtime
+from . import compat, runtime
 from .checkpoint import per_rank_variables
 
 
@@ -52,7 +52,7 @@ def combined_metrics(model, logs: dict) -> dict:
 
     if runtime.world().size == 1:
         return {k: _scalar(v) for k, v in logs.items()}
-    variables = [v for m in model.metrics for v in m.variables]
+    variables = compat.tf_variables(v for m in model.metrics for v in m.variables)
     if variables:
         for v, total in zip(variables, _allreduce([v.value() for v in variables], hvd.Sum)):
             v.assign(total)
@@ -106,8 +106,8 @@ def make(cfg, data, world_size: int, chief: bool):
         def _validate(self) -> dict:
             """This rank's part of the validation set, then the metrics of all parts together. A part
             of unknown size is evaluated one step per call: Keras runs several only on a known count."""
-            per_call = int(self.model.steps_per_execution.numpy())
-            if int(data.val.cardinality()) < 0:
+            per_call = compat.steps_per_execution(self.model)
+            if int(data.val.cardinality()) < 0 and compat.calls_can_be_cut_short():
                 self.model.steps_per_execution = 1
             try:
                 local = self.model.evaluate(data.val, verbose=0, return_dict=True)
@@ -289,8 +289,10 @@ def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: 
             self.next_at = now + self.every
 
         def align(self, now):
-            """The next call runs up to the next save at most (all of per_call when now is None)."""
-            if per_call > 1:
+            """The next call runs up to the next save at most (all of per_call when now is None). Keras 3
+            fixes the call's length for a whole fit(): the save lands at the end of the call that
+            reaches it, on every rank alike."""
+            if per_call > 1 and compat.calls_can_be_cut_short():
                 self.model.steps_per_execution = per_call if now is None else \
                     min(per_call, max(1, self.next_at - now))
 

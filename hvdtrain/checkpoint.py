@@ -22,6 +22,7 @@ import numpy as np
 
 from . import runtime
 from .config import Config, UserError
+from . import compat
 from .optimizer import broadcast_initial_state, build
 from .runtime import log
 
@@ -152,8 +153,6 @@ class Checkpoints:
         """CheckpointManager's steps (write the files, then the index atomically, then drop the oldest)
         under our names: it numbers checkpoints, and a step checkpoint needs epoch and step."""
         import tensorflow as tf
-        from tensorflow.python.checkpoint.checkpoint_management import update_checkpoint_state_internal
-
         self.epoch.assign(epoch)
         self.step.assign(step)
         self.ckpt.ranks = tf.Variable(ranks, trainable=False, name="ranks")
@@ -163,8 +162,7 @@ class Checkpoints:
         state = tf.train.get_checkpoint_state(directory)
         kept = [p for p in (state.all_model_checkpoint_paths if state else []) if p != path] + [path]
         kept, dropped = kept[-self.cfg.keep_checkpoints:], kept[:-self.cfg.keep_checkpoints]
-        update_checkpoint_state_internal(directory, path, all_model_checkpoint_paths=kept,  # atomic
-                                         save_relative_paths=True)
+        compat.update_checkpoint_state(directory, path, kept)  # atomic
         for old in dropped:
             for f in tf.io.gfile.glob(old + ".*"):
                 tf.io.gfile.remove(f)
@@ -189,11 +187,11 @@ def per_rank_variables(model, frozen: bool = False) -> list:
     written before they were left out hold them."""
     import tensorflow as tf
 
-    fixed = set() if frozen else {v.ref() for layer in model.submodules
+    fixed = set() if frozen else {v.ref() for layer in compat.sublayers(model)
                                   if isinstance(layer, tf.keras.layers.Layer) and not layer.trainable
-                                  for v in layer.weights}
-    return [v for v in model.non_trainable_variables
-            if isinstance(v, tf.Variable) and v.dtype.is_floating and v.ref() not in fixed]
+                                  for v in compat.tf_variables(layer.weights)}
+    return [v for v in compat.tf_variables(model.non_trainable_variables)
+            if v.dtype.is_floating and v.ref() not in fixed]
 
 
 def own_state(model):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+from . import compat
 from .config import DEFAULT_STEPS_PER_EXECUTION, UserError
 from .data import resolve
 
@@ -119,10 +120,9 @@ class Compile:
     notes: list = field(default_factory=list)
 
 
-def compile_plan(model, cfg) -> Compile:
+def compile_plan(model, cfg, steps_per_epoch: int) -> Compile:
     """Keep what the user compiled; flags replace parts of it (with a note); fill in what is missing."""
-    user = dict(model._compile_config.config) if getattr(model, "_is_compiled", False) and \
-        hasattr(model, "_compile_config") else {}
+    user = compat.compile_config(model)
     notes = []
     activations = output_activations(model)
     if cfg.loss:
@@ -150,11 +150,22 @@ def compile_plan(model, cfg) -> Compile:
                      f"steps per call (hvdtrain's default), since Keras would tune it on each rank's own "
                      f"clock and the ranks must call back at the same steps (a checkpoint inside an epoch "
                      f"gathers from all)")
+    if compat.keras3() and steps_per_epoch % per_call:
+        # Keras 3 runs whole calls (it would read the next epoch's batches in an epoch's last call), and
+        # fixes the count for a whole fit(): a count that divides the epoch keeps epochs whole
+        fits = max(n for n in range(1, per_call + 1) if steps_per_epoch % n == 0)
+        notes.append(f"{fits} steps per call, not {per_call}: Keras 3 runs whole calls, and {per_call} does "
+                     f"not divide the epoch's {steps_per_epoch} steps")
+        per_call = fits
+    jit = cfg.jit_compile if cfg.jit_compile is not None else user.get("jit_compile")
     kwargs = {"loss": loss, "metrics": metrics,
               "loss_weights": user.get("loss_weights"), "weighted_metrics": user.get("weighted_metrics"),
               "run_eagerly": user.get("run_eagerly"),
-              "steps_per_execution": asked,  # as the user compiled it: model.keras keeps it
-              "jit_compile": cfg.jit_compile if cfg.jit_compile is not None else user.get("jit_compile")}
+              # as the user compiled it, so model.keras keeps it (Keras 3 takes no None, and reads it
+              # once per fit: what it trains with)
+              "steps_per_execution": per_call if compat.keras3() else asked,
+              # Keras 3's default "auto" turns XLA on wherever a GPU is: only an explicit True asks
+              "jit_compile": jit is True}
     return Compile(user.get("optimizer"), kwargs, described, per_call, notes)
 
 
@@ -175,7 +186,7 @@ def output_activations(model) -> list:
         outputs = []
     found = []
     for t in outputs:
-        layer = getattr(getattr(t, "_keras_history", None), "layer", None)
+        layer = compat.producer(t)
         if isinstance(layer, tf.keras.layers.Softmax):
             found.append("softmax")
             continue

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from . import runtime
+from . import compat, runtime
 from .config import DEFAULT_LR, DEFAULT_OPTIMIZER, Config, UserError
 
 
@@ -88,7 +88,10 @@ def _is_schedule(lr) -> bool:
 
 
 def distributed(opt, cfg: Config):
-    """Horovod's DistributedOptimizer around `opt` (Adasum keeps `opt`: see use_adasum)."""
+    """`opt` whose updates average the gradients over the workers first: Horovod's
+    DistributedOptimizer on Keras 2 (Adasum keeps `opt`: see use_adasum), on Keras 3 `Distributed`."""
+    if compat.keras3():
+        return _distributed_keras3(opt, cfg)
     import horovod.tensorflow as hvd_ops
     import horovod.tensorflow.keras as hvd
 
@@ -105,6 +108,47 @@ def distributed(opt, cfg: Config):
     _reduce_in_apply_too(dist)
     _allreduce_traced_as_written(dist)
     return dist
+
+
+def _distributed_keras3(opt, cfg: Config):
+    """The Keras 3 distributed optimizer: the user's own optimizer class, whose `apply` first averages
+    the gradients over the workers with Horovod's gradient allreduce (the one its Keras 2
+    DistributedOptimizer uses: groups, fp16 compression, sparse gradients, Adasum).
+
+    Horovod 0.28.1's Keras layer does not work with Keras 3 (its optimizer wrapper calls Keras 2's
+    get_gradients/compute_gradients), while Horovod's TensorFlow ops do. Keras 3's fit, and a custom
+    train_step written as keras.io shows, hand the gradients to `optimizer.apply` (apply_gradients
+    calls it), so wrapping there averages them whichever step computed them. A subclass of the
+    user's class, not patched methods: the optimizer keeps its class's variables, checkpoint names
+    and config, and `user_class` names what model.keras is saved with. Under mixed_float16 the
+    LossScaleOptimizer is the class wrapped, so the ranks test the averaged gradients for overflow
+    and skip the same steps. Accumulating --backward-passes-per-step micro-batches is Keras 3's
+    own (gradient_accumulation_steps); each micro-batch's gradients are averaged.
+    """
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    if tf.keras.mixed_precision.global_policy().name == "mixed_float16" and \
+            not isinstance(opt, tf.keras.optimizers.LossScaleOptimizer):
+        opt = tf.keras.optimizers.LossScaleOptimizer(opt)
+    config = opt.get_config()
+    if cfg.backward_passes_per_step > 1:
+        target = config["inner_optimizer"]["config"] if "inner_optimizer" in config else config
+        target["gradient_accumulation_steps"] = cfg.backward_passes_per_step
+    reduce = compat.allreduce_gradients_fn(hvd.Adasum if cfg.reduction == "adasum" else hvd.Average,
+                                           _compression(cfg), cfg.sparse_as_dense, cfg.allreduce_groups)
+    base = type(opt)
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        variables = list(trainable_variables if trainable_variables is not None else compat.built_for(self))
+        # traced as written: no AutoGraph over Horovod's Python (see _allreduce_traced_as_written)
+        fn = reduce if tf.executing_eagerly() else getattr(reduce, "python_function", reduce)
+        return base.apply(self, fn(grads, variables), trainable_variables)
+
+    cls = type(f"Distributed{base.__name__}", (base,), {"apply": apply, "user_class": base,
+                                                         "__module__": __name__})
+    return cls.from_config(config)
 
 
 def _allreduce_traced_as_written(opt):
@@ -150,9 +194,10 @@ def _compression(cfg: Config):
 
 
 def use_adasum(model, cfg: Config, world: runtime.World):
-    """Adasum through Horovod's DistributedGradientTape, in the model's own train_step.
+    """Adasum through Horovod's DistributedGradientTape, in the model's own train_step (Keras 2).
 
     Horovod 0.28.1's Keras DistributedOptimizer rejects op=Adasum; its DistributedGradientTape does not.
+    On Keras 3 the distributed optimizer reduces with op=Adasum itself: only the checks apply.
     """
     import types
 
@@ -166,6 +211,8 @@ def use_adasum(model, cfg: Config, world: runtime.World):
     if cfg.backward_passes_per_step > 1 or cfg.precision == "mixed_float16":
         raise UserError("--reduction adasum does not combine with --backward-passes-per-step > 1 "
                         "or --precision mixed_float16")
+    if compat.keras3():
+        return
     if type(model).train_step is not tf.keras.Model.train_step:
         raise UserError("--reduction adasum replaces the model's train_step; this model has its own")
 
@@ -186,6 +233,10 @@ def use_adasum(model, cfg: Config, world: runtime.World):
 def build(model):
     """Create the optimizer's slots now (Keras creates them at the first step), so that a checkpoint
     can be restored into them and they can be broadcast before training starts."""
+    if compat.keras3():  # its LossScaleOptimizer builds its inner optimizer and its own scale
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        return
     optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # under a LossScaleOptimizer
     optimizer.build(model.trainable_variables)
 
@@ -205,16 +256,15 @@ def broadcast_initial_state(model, root_rank: int = 0):
         # model.variables also lists lookup tables' handlers (TextVectorization, StringLookup): not
         # variables. Each rank adapted its own table, maybe on data in another order (a vocabulary's
         # ties then fall differently): rank 0's vocabularies go to every rank, so a token has one id.
-        lookups = [l for l in model.submodules if hasattr(l, "get_vocabulary") and hasattr(l, "set_vocabulary")]
+        lookups = [l for l in compat.sublayers(model) if hasattr(l, "get_vocabulary") and hasattr(l, "set_vocabulary")]
         inner = {id(getattr(l, "_lookup_layer", None)) for l in lookups}  # a TextVectorization's StringLookup
         lookups = [l for l in lookups if id(l) not in inner]
         if lookups:
             mine = [_vocabulary(l) for l in lookups] if hvd.rank() == root_rank else None
             for layer, vocab in zip(lookups, hvd.broadcast_object(mine, root_rank=root_rank, name="hvdtrain.vocab")):
                 layer.set_vocabulary(*vocab)
-        variables = [v for v in model.variables if isinstance(v, tf.Variable)]
-        hvd.broadcast_variables(variables, root_rank=root_rank)
-        hvd.broadcast_variables(model.optimizer.variables, root_rank=root_rank)
+        hvd.broadcast_variables(compat.tf_variables(model.variables), root_rank=root_rank)
+        hvd.broadcast_variables(compat.tf_variables(model.optimizer.variables), root_rank=root_rank)
 
 
 def _vocabulary(layer) -> tuple:

@@ -117,7 +117,7 @@ def init(threads: int = 0, horovod_env: dict | None = None) -> World:
         return _world
     os.environ.update(horovod_env or {})
     set_fast_defaults()
-    import horovod.tensorflow.keras as hvd
+    import horovod.tensorflow as hvd
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")

@@ -20,7 +20,7 @@ import sys
 import time
 
 from . import callbacks as callbacks_lib
-from . import checkpoint, models, optimizer, runtime
+from . import checkpoint, compat, models, optimizer, runtime
 from . import config as config_lib
 from . import data as data_lib
 from .checkpoint import Checkpoints
@@ -115,7 +115,7 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
     cfg = dataclasses.replace(cfg, batch_size=data.batch_size)
     if model is None:
         model = agree(models.build, cfg.model, data)
-    cfg, trainer = agree(compile_for_training, model, cfg, world)
+    cfg, trainer = agree(compile_for_training, model, cfg, world, data.steps_per_epoch)
     _build_loss_and_metrics(model, data.element_spec)
     for note in ([] if elastic else data.notes) + trainer.notes:
         log.info(note)
@@ -152,7 +152,8 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
                  "validation": data.val is not None},
         "model": {"name": model.name, "loss": trainer.loss,
                   # what every step allreduces (bench: compute time against bytes / bandwidth)
-                  "gradient_bytes": sum(v.shape.num_elements() * v.dtype.size for v in model.trainable_variables)},
+                  "gradient_bytes": sum(v.shape.num_elements() * v.dtype.size
+                                     for v in compat.tf_variables(model.trainable_variables))},
         "optimizer": {**trainer.optimizer, "lr_scaled": trainer.peak_lr(world)},
         "metrics": {k: float(v[-1]) for k, v in history.history.items()},
         # every epoch of this run: its metrics, and its training time (validation left out)
@@ -200,10 +201,10 @@ class Trainer:
         return None if lr is None else lr * optimizer.lr_multiplier(self.cfg, world)
 
 
-def compile_for_training(model, cfg: Config, world: runtime.World):
+def compile_for_training(model, cfg: Config, world: runtime.World, steps_per_epoch: int):
     """Compile `model` as its user did (or as the flags say), with the optimizer scaled and wrapped;
     returns (cfg with the one-worker lr it trains with, Trainer)."""
-    plan = models.compile_plan(model, cfg)
+    plan = models.compile_plan(model, cfg, steps_per_epoch)
     _xla_only_where_horovod_has_it(plan, cfg, world)
     opt, info, notes = optimizer.choose(cfg, plan.optimizer)
     cfg = dataclasses.replace(cfg, lr=info["lr"] if info["lr"] is not None else cfg.lr)
@@ -247,7 +248,7 @@ def _build_loss_and_metrics(model, element_spec):
 
     own = all(getattr(type(model), m) is getattr(tf.keras.Model, m)
               for m in ("train_step", "compute_loss", "compute_metrics"))
-    if not own or model.compiled_loss is None or model.compiled_loss.built:
+    if not own or compat.own_loss_and_metrics_are_built(model) is not False:
         return
     x, y, w = tf.keras.utils.unpack_x_y_sample_weight(element_spec)  # y, w: None when absent
 
@@ -320,7 +321,7 @@ def _say_how_it_resumes(cfg: Config, ckpts: Checkpoints, world: runtime.World, m
     if before and before != world.size:
         log.info("resuming a run of %d workers with %d: the learning rate is scaled for %d workers",
                  before, world.size, world.size)
-    random = sorted({layer.name for layer in model.submodules if hasattr(layer, "_random_generator")})
+    random = compat.random_layers(model)
     if random:  # Keras' random layers keep their generator's state in kernels, not in the checkpoint
         log.info("resuming: %s draw%s new random numbers after a restart, so the weights will differ from "
                  "an uninterrupted run's", ", ".join(random[:3]),
@@ -394,12 +395,12 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
             parts.append(model.fit(data.stream(first_epoch, first_epoch + 1, skip=first_step),
                                    epochs=first_epoch + 1, initial_epoch=first_epoch,
                                    steps_per_epoch=data.steps_per_epoch - first_step,
-                                   class_weight=class_weight, callbacks=callbacks, verbose=0))
+                                   class_weight=class_weight, callbacks=callbacks, verbose=0, shuffle=False))
         start = first_epoch + len(parts)
         if start < cfg.epochs and not (parts and model.stop_training):
             parts.append(model.fit(data.stream(start, cfg.epochs), epochs=cfg.epochs, initial_epoch=start,
                                    steps_per_epoch=data.steps_per_epoch, class_weight=class_weight,
-                                   callbacks=callbacks, verbose=0))
+                                   callbacks=callbacks, verbose=0, shuffle=False))
     except tf.errors.InvalidArgumentError as e:
         step = optimizer.NonFiniteUpdate.step_of(e)
         if step is None:
@@ -520,10 +521,11 @@ def explain(e: Exception) -> str:
     hidden = re.search(r"AutoGraph tried to define it automatically, but ran into an? (\w+): ", text)
     if hidden:
         text, kind = text[hidden.end():], hidden.group(1)
-    # a Keras layer's error: its message sits between "Exception encountered when calling layer" and
-    # the arguments of the call
-    text = re.sub(r"Call arguments received by layer.*", "", text, flags=re.S)
-    text = re.sub(r"Exception encountered when calling layer[^\n]*", "", text)
+    # a Keras layer's error: its message sits between "Exception encountered when calling layer" (Keras 3:
+    # "... calling Sequential.call()", in bold) and the arguments of the call
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    text = re.sub(r"(Call arguments|Arguments) received by .*", "", text, flags=re.S)
+    text = re.sub(r"Exception encountered when calling [^\n]*", "", text)
     node = re.search(r"\{\{node ([^}]+)\}\}", text) or re.search(r"Detected at node '?([^'\s]+)", text)
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     # TensorFlow puts the cause after the "defined at" traceback and before [[{{node ...}}]]
@@ -633,7 +635,7 @@ def export_model(model, run_dir: str) -> str:
     import tensorflow as tf
 
     try:
-        plain = tf.keras.models.clone_model(model)
+        plain = compat.uncompiled_copy(model)
     except (ValueError, TypeError, NotImplementedError):
         path = os.path.join(run_dir, "model.weights.h5")
         model.save_weights(path)
@@ -653,7 +655,7 @@ def _compile_as_trained(plain, model):
     import tensorflow as tf
 
     opt = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # under a LossScaleOptimizer
-    user_class = next(c for c in type(opt).__mro__ if not c.__module__.startswith("horovod"))
+    user_class = next(c for c in type(opt).__mro__ if not c.__module__.startswith(("horovod", "hvdtrain")))
     users = user_class.from_config(opt.get_config())
     if opt is not model.optimizer:
         users = tf.keras.mixed_precision.LossScaleOptimizer(users)

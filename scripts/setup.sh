@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Set up everything hvdtrain needs on a Debian machine, idempotently:
-# OpenMPI (apt), a .venv with the pinned stack, Horovod built against that TensorFlow, hvdtrain (editable).
+# OpenMPI (apt), a venv with one of the two stacks, Horovod built against that TensorFlow, hvdtrain (editable).
 # A second call finds the stamp up to date and returns in about a second.
+#
+# The stack (HVDTRAIN_STACK overrides; PYTHON picks the interpreter, default python3):
+#   keras3  TensorFlow 2.18.1, Keras 3, numpy 2: Python 3.10-3.12 (the only choice on 3.12)
+#   keras2  TensorFlow 2.15.1, Keras 2 (tf.keras), numpy<2: Python 3.9-3.11 (the default there, for now)
+# HVDTRAIN_VENV names the venv (default .venv), so both stacks can live side by side.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-VENV=.venv
+VENV=${HVDTRAIN_VENV:-.venv}
 STAMP=$VENV/.hvdtrain-setup
-WANT=$(cat setup.py scripts/setup.sh | sha256sum | cut -c1-16)
 
 apt_install() {
   local missing=()
@@ -35,22 +39,48 @@ apt_install() {
 
 apt_install
 
+# Which stack this Python can run, and which one was asked for.
+PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+case "$PYVER" in
+  3.9) CAN="keras2" ;;
+  3.10|3.11) CAN="keras2 keras3" ;;
+  3.12) CAN="keras3" ;;
+  *) CAN="" ;;
+esac
+STACK=${HVDTRAIN_STACK:-${CAN%% *}}
+if [ -z "$CAN" ] || [[ " $CAN " != *" $STACK "* ]]; then
+  echo "setup: Python $PYVER ($PY) cannot run the ${HVDTRAIN_STACK:-hvdtrain} stack: keras3 needs Python 3.10-3.12," \
+       "keras2 Python 3.9-3.11 (Horovod 0.28.1 builds against no TensorFlow for Python 3.13); point setup at one:" \
+       "PYTHON=python3.12 scripts/setup.sh" >&2
+  exit 2
+fi
+case "$STACK" in
+  keras3) TF_DEFAULT="tensorflow-cpu==2.18.1"; PINS=("numpy>=2,<2.1" "keras>=3.5,<4") ;;
+  keras2) TF_DEFAULT="tensorflow-cpu==2.15.1"; PINS=("numpy<2") ;;
+esac
+TF_SPEC=${HVDTRAIN_TF:-$TF_DEFAULT}
+WANT=$( (cat setup.py pyproject.toml scripts/setup.sh; echo "$STACK $PYVER $TF_SPEC") | sha256sum | cut -c1-16)
+
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
 fi
 
-[ -x $VENV/bin/python ] || "$PY" -m venv $VENV
+# A venv of another Python (the stack changed) is made anew.
+if [ -x "$VENV/bin/python" ] && [ "$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" != "$PYVER" ]; then
+  echo "setup: $VENV holds another Python; making it anew for Python $PYVER"
+  rm -rf "$VENV"
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
-$PIP install -q --upgrade "pip<25" "setuptools<70" wheel
+$PIP install -q --upgrade pip "setuptools<70" wheel  # Horovod 0.28.1 builds with setuptools<70
 # TensorFlow first: Horovod compiles its TensorFlow ops against the installed TensorFlow.
-TF_SPEC=${HVDTRAIN_TF:-tensorflow-cpu==2.15.1}
-$PIP install -q "$TF_SPEC" "numpy<2" "mpi4py>=3.1,<5"
-if ! $VENV/bin/python -c "import horovod.tensorflow as h; assert h.mpi_built() and h.gloo_built()" 2>/dev/null; then
+$PIP install -q "$TF_SPEC" "${PINS[@]}" "mpi4py>=3.1,<5"
+if ! "$VENV/bin/python" -c "import horovod.tensorflow as h; assert h.mpi_built() and h.gloo_built()" 2>/dev/null; then
   echo "setup: building horovod==0.28.1 against TensorFlow (a few minutes the first time; pip caches the wheel)"
   HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
   HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
     $PIP install -q --no-build-isolation horovod==0.28.1
 fi
-$PIP install -q -e ".[dev]"
+$PIP install -q -e ".[dev]" "${PINS[@]}"
 echo "$WANT" > "$STAMP"
-echo "setup: ready ($($VENV/bin/python -c 'import tensorflow as tf, horovod; print("tensorflow", tf.__version__, "horovod", horovod.__version__)' 2>/dev/null))"
+echo "setup: ready in $VENV: the $STACK stack ($("$VENV/bin/python" -c 'import tensorflow as tf, keras, horovod, numpy; print("Python", __import__("platform").python_version(), "tensorflow", tf.__version__, "keras", keras.__version__, "numpy", numpy.__version__, "horovod", horovod.__version__)' 2>/dev/null))"

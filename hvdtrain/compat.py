@@ -1,0 +1,136 @@
+"""The one door to what differs between the two Keras generations, and to the private names of
+TensorFlow, Keras and Horovod that hvdtrain relies on.
+
+hvdtrain runs on two stacks (scripts/setup.sh): Keras 2 (`tf.keras` of TensorFlow 2.15) and Keras 3
+(`keras`, which is `tf.keras` from TensorFlow 2.16 on). Most of Keras' public API is the same on both;
+what is not, and every private name, is answered here, so that a new TensorFlow or Keras breaks one
+module, and tests/test_compat.py says which name broke.
+"""
+from __future__ import annotations
+
+import functools
+
+
+@functools.lru_cache(maxsize=None)
+def keras_major() -> int:
+    """2 or 3: the Keras generation `tf.keras` is (Keras 3 has `keras.ops`; Keras 2 has not)."""
+    import tensorflow as tf
+
+    return 3 if hasattr(tf.keras, "ops") else 2
+
+
+def keras3() -> bool:
+    return keras_major() == 3
+
+
+def keras_version() -> str:
+    import tensorflow as tf
+
+    if keras3():
+        import keras
+
+        return keras.__version__
+    return tf.__version__  # Keras 2 ships inside TensorFlow 2.15 at its version
+
+
+def compile_config(model) -> dict:
+    """What the user passed to model.compile (optimizer, loss, metrics, ...), or {} if uncompiled."""
+    compiled = getattr(model, "compiled", None) if keras3() else getattr(model, "_is_compiled", False)
+    config = getattr(model, "_compile_config", None)
+    return dict(config.config) if compiled and config is not None else {}
+
+
+def producer(tensor):
+    """The layer that made a functional model's output tensor (None where it cannot be read)."""
+    history = getattr(tensor, "_keras_history", None)
+    return getattr(history, "operation", None) or getattr(history, "layer", None)
+
+
+def sublayers(model) -> list:
+    """Every layer inside `model`, nested models' layers too (Keras 3 models are no tf.Module)."""
+    if keras3():
+        return list(model._flatten_layers(include_self=False, recursive=True))
+    return list(model.submodules)
+
+
+def random_layers(model) -> list:
+    """The names of layers that draw random numbers in training (Dropout, ...): their generator's
+    state is kept in kernels, not in a checkpoint."""
+    attr = "seed_generator" if keras3() else "_random_generator"
+    return sorted({layer.name for layer in sublayers(model) if getattr(layer, attr, None) is not None})
+
+
+def tf_variables(variables) -> list:
+    """The tf.Variables behind Keras variables: Keras 3 wraps each in a keras.Variable, which
+    Horovod's broadcast and TensorFlow's ops do not take as a variable. Lookup tables' handles, which
+    Keras 2 lists among a model's variables, are left out."""
+    import tensorflow as tf
+
+    out = []
+    for v in variables:
+        v = v if isinstance(v, tf.Variable) or not keras3() else getattr(v, "value", v)
+        if isinstance(v, tf.Variable):
+            out.append(v)
+    return out
+
+
+def built_for(optimizer) -> list:
+    """Keras 3: the variables an optimizer was built for, in the order `apply(grads)` takes them."""
+    return optimizer._trainable_variables
+
+
+def steps_per_execution(model) -> int:
+    """The number of steps a call of the compiled step runs (a variable on Keras 2, an int on 3)."""
+    n = model.steps_per_execution
+    return int(n.numpy()) if hasattr(n, "numpy") else int(n)
+
+
+def calls_can_be_cut_short() -> bool:
+    """Keras 2 reads steps_per_execution before every call of the step, so a call can be cut short
+    to end on a given step; Keras 3 fixes it for the whole fit() (its epoch iterator and traced loop)."""
+    return not keras3()
+
+
+def uncompiled_copy(model):
+    """A new model of the same architecture, uncompiled. Keras 3's clone_model compiles the copy from
+    the original's compile config, which names the distributed optimizer's class; its Sequential and
+    functional models are rebuilt from their config instead. A subclassed model raises, as on Keras 2."""
+    import tensorflow as tf
+
+    if not keras3():
+        return tf.keras.models.clone_model(model)
+    if type(model) is tf.keras.Sequential or type(model).__name__ == "Functional":
+        return type(model).from_config(model.get_config())
+    raise NotImplementedError(f"{type(model).__name__} is a subclassed model")
+
+
+def own_loss_and_metrics_are_built(model) -> bool | None:
+    """Keras 2: has the compiled loss been built (None: no compiled loss)? Keras 3 builds its loss
+    and metrics outside the traced step already: None."""
+    if keras3():
+        return None
+    loss = getattr(model, "compiled_loss", None)
+    return None if loss is None else loss.built
+
+
+def allreduce_gradients_fn(op, compression, sparse_as_dense: bool, groups):
+    """Horovod's own gradient allreduce, the one its DistributedOptimizer and DistributedGradientTape
+    use (sparse gradients, fp16 compression, groups, Adasum): a function (grads, vars) -> grads."""
+    from horovod.tensorflow import _make_allreduce_grads_fn
+
+    return _make_allreduce_grads_fn("DistributedOptimizer", "", "", compression, sparse_as_dense, op,
+                                    1.0, groups or None, _global_process_set())
+
+
+def _global_process_set():
+    import horovod.tensorflow as hvd
+
+    return hvd.global_process_set
+
+
+def update_checkpoint_state(directory: str, path: str, kept: list):
+    """Point the `checkpoint` index at `path`, atomically (what tf.train.CheckpointManager does)."""
+    from tensorflow.python.checkpoint.checkpoint_management import update_checkpoint_state_internal
+
+    update_checkpoint_state_internal(directory, path, all_model_checkpoint_paths=kept,
+                                     save_relative_paths=True)

@@ -128,6 +128,47 @@ def _global_process_set():
     return hvd.global_process_set
 
 
+def elastic_state(model, **kwargs):
+    """hvd.elastic's state of the model and its optimizer, with `kwargs` as attributes: Horovod's
+    KerasState on Keras 2. Horovod's reads `optimizer.variables()` and broadcasts Keras' variables
+    as they are, which Keras 3 has not; there the same state (save, restore, sync from rank 0) holds
+    the tf.Variables behind them."""
+    import horovod.tensorflow as hvd
+
+    if not keras3():
+        import horovod.tensorflow.keras as hvd_keras
+
+        return hvd_keras.elastic.KerasState(model, **kwargs)
+    from horovod.common.elastic import ObjectState
+
+    class KerasThreeState(ObjectState):
+        def __init__(self):
+            self._save_model()
+            super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
+
+        def _variables(self):
+            return tf_variables(model.variables) + tf_variables(model.optimizer.variables)
+
+        def _save_model(self):
+            self._saved = [v.numpy() for v in self._variables()]
+
+        def save(self):
+            self._save_model()
+            super().save()
+
+        def restore(self):
+            for v, saved in zip(self._variables(), self._saved):
+                v.assign(saved)
+            super().restore()
+
+        def sync(self):
+            hvd.broadcast_variables(self._variables(), root_rank=0)
+            self._save_model()
+            super().sync()
+
+    return KerasThreeState()
+
+
 def update_checkpoint_state(directory: str, path: str, kept: list):
     """Point the `checkpoint` index at `path`, atomically (what tf.train.CheckpointManager does)."""
     from tensorflow.python.checkpoint.checkpoint_management import update_checkpoint_state_internal

@@ -570,7 +570,7 @@ def fit_elastic(cfg: Config, model, shard, ckpts, trainer: Trainer):
     ckpts.restore_on_rank0()  # the first sync hands rank 0's model, optimizer and epoch to everyone
     saved = (ckpts.resumed_from or {}).get("world_size")
     # a step checkpoint's position (and per-rank state) holds for the number of workers that wrote it
-    state = hvd.elastic.KerasState(model, epoch=int(ckpts.epoch.numpy()), batch=int(ckpts.step.numpy()),
+    state = compat.elastic_state(model, epoch=int(ckpts.epoch.numpy()), batch=int(ckpts.step.numpy()),
                                    batch_world=saved or 0, ranks=ckpts.ranks)
     rounds, data, sharded_for = [], None, None
 

@@ -156,7 +156,7 @@ def make(cfg, data, world_size: int, chief: bool):
                 seconds = time.perf_counter() - self.t0
                 rate = done * data.batch_size * world_size / seconds
                 left = (data.steps_per_epoch - done) * seconds / done
-                metrics = {m.name: m.result() for m in self.model.metrics}
+                metrics = self.model.get_metrics_result()  # Keras 3 nests the compiled metrics
                 line = (f"epoch {self.epoch + 1}/{cfg.epochs} step {min(done, data.steps_per_epoch)}/"
                         f"{data.steps_per_epoch} {_bar(done, data.steps_per_epoch) if self.tty else ''}"
                         f"{_fmt(metrics)} | {rate:,.0f} samples/s | epoch ETA {_clock(left)}")
@@ -190,10 +190,13 @@ def make(cfg, data, world_size: int, chief: bool):
 
 
 def _fmt(logs) -> str:
+    """The logs as "loss 0.3 accuracy 0.9 val_loss ... lr ...", in that order on both Keras
+    generations (Keras 3 lists the compiled metrics before the loss)."""
     import numpy as np
 
     items = []
-    for k, v in (logs or {}).items():
+    order = lambda k: (k == "lr", k.startswith("val_"), k.removeprefix("val_") != "loss")  # noqa: E731
+    for k, v in sorted((logs or {}).items(), key=lambda kv: order(kv[0])):
         try:
             items.append(f"{k} {float(np.asarray(v)):.4g}")
         except (TypeError, ValueError):

@@ -36,7 +36,7 @@ class Checkpoints:
         self.cfg, self.model = cfg, model
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs completed
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")  # steps into the next
-        self.ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer, epoch=self.epoch,
+        self.ckpt = tf.train.Checkpoint(model=compat.checkpointed(model), optimizer=model.optimizer, epoch=self.epoch,
                                         step=self.step)
         self.ckpt.save_counter  # created now, so that ckpt.write stores it as CheckpointManager did
         self.resumed_from = None  # the meta of the checkpoint this run resumed from
@@ -118,18 +118,13 @@ class Checkpoints:
         except Exception:  # unreadable: a corrupt file
             return f"cannot restore checkpoint {path}: {first}"
         with tempfile.TemporaryDirectory() as tmp:  # this model's variables, under the same names
-            ours = dict(tf.train.list_variables(tf.train.Checkpoint(model=self.model).write(f"{tmp}/c")))
+            ours = dict(tf.train.list_variables(tf.train.Checkpoint(model=compat.checkpointed(self.model)).write(f"{tmp}/c")))
         weights = lambda d: {k: v for k, v in d.items() if k.startswith("model/") and "optimizer" not in k
                              and "OPTIMIZER_SLOT" not in k}  # the model's own variables, not its optimizer's
         ours, theirs_model = weights(ours), weights(theirs)
         layers = [layer.name for layer in self.model.layers if layer.weights]
 
-        def name(key):  # model/layer_with_weights-1/kernel/... -> hidden/kernel (this model's layer names)
-            parts = key[len("model/"):].replace("/.ATTRIBUTES/VARIABLE_VALUE", "").split("/")
-            i = parts[0].rsplit("-", 1)[-1]
-            if parts[0].startswith("layer_with_weights-") and i.isdigit() and int(i) < len(layers):
-                parts[0] = layers[int(i)]
-            return "/".join(parts)
+        name = lambda key: compat.checkpoint_key_name(key, layers)  # noqa: E731
         diff = [f"{name(k)} is {tuple(theirs_model[k])} there, {tuple(ours[k])} here"
                 for k in sorted(set(ours) & set(theirs_model)) if theirs_model[k] != ours[k]]
         diff += [f"{name(k)} is only here" for k in sorted(set(ours) - set(theirs_model))]

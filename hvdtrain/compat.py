@@ -40,6 +40,13 @@ def compile_config(model) -> dict:
     return dict(config.config) if compiled and config is not None else {}
 
 
+def compiled_steps_per_execution(config: dict):
+    """The steps per call a compile config asked for, or None: Keras 3's compile writes its default, 1,
+    which cannot be told from asking for 1 (Keras 2 writes None)."""
+    asked = config.get("steps_per_execution")
+    return None if keras3() and asked == 1 else asked
+
+
 def producer(tensor):
     """The layer that made a functional model's output tensor (None where it cannot be read)."""
     history = getattr(tensor, "_keras_history", None)
@@ -77,6 +84,27 @@ def tf_variables(variables) -> list:
 def built_for(optimizer) -> list:
     """Keras 3: the variables an optimizer was built for, in the order `apply(grads)` takes them."""
     return optimizer._trainable_variables
+
+
+def checkpointed(model):
+    """What tf.train.Checkpoint saves of the model. A Keras 2 model is a trackable object graph; a
+    Keras 3 model is not tracked by TensorFlow at all (a checkpoint of model=model holds only what its
+    optimizer tracks: no BatchNorm statistics), so there its variables go in by their paths within the
+    model ("hidden/kernel": the names a checkpoint that no longer fits reports)."""
+    if not keras3():
+        return model
+    prefix = model.name + "/"
+    return {v.path[len(prefix):] if v.path.startswith(prefix) else v.path: v.value for v in model.variables}
+
+
+def checkpoint_key_name(key: str, layers: list) -> str:
+    """A readable name for a checkpoint key of the model's ("model/layer_with_weights-1/kernel/..." on
+    Keras 2, "model/hidden.Skernel/..." on Keras 3): "hidden/kernel"."""
+    parts = key[len("model/"):].replace("/.ATTRIBUTES/VARIABLE_VALUE", "").split("/")
+    i = parts[0].rsplit("-", 1)[-1]
+    if parts[0].startswith("layer_with_weights-") and i.isdigit() and int(i) < len(layers):
+        parts[0] = layers[int(i)]
+    return "/".join(parts).replace(".S", "/")
 
 
 def steps_per_execution(model) -> int:
@@ -175,3 +203,71 @@ def update_checkpoint_state(directory: str, path: str, kept: list):
 
     update_checkpoint_state_internal(directory, path, all_model_checkpoint_paths=kept,
                                      save_relative_paths=True)
+
+
+# ---------------------------------------------------------------- tf.data's pipeline, stage by stage
+# A tf.data.Dataset object knows the stage it is (its class: _MapDataset, _BatchDataset, ...) and the
+# dataset it reads; TensorFlow has no public API for either. data.py reads pipelines through these.
+
+def stage(ds) -> str:
+    """The kind of stage `ds` is: its class's name (_MapDataset, _BatchDataset, TFRecordDatasetV2...)."""
+    return type(ds).__name__
+
+
+def stage_input(ds):
+    """The dataset a one-input stage (map, batch, shuffle, ...) reads; None for a source or a stage
+    of several inputs."""
+    return getattr(ds, "_input_dataset", None)
+
+
+def stage_inputs(ds) -> list:
+    """Every dataset a stage reads (several for zip, concatenate, interleave's input...)."""
+    return list(ds._inputs())
+
+
+def batch_of(ds) -> tuple:
+    """(batch size, drop_remainder) of a batching stage; the size is None when it is a tensor that
+    is not a constant."""
+    import tensorflow as tf
+
+    size = tf.get_static_value(ds._batch_size)
+    return (None if size is None else int(size)), bool(tf.get_static_value(getattr(ds, "_drop_remainder", False)))
+
+
+def reshuffles(ds) -> bool:
+    """Does a shuffle stage draw a new order every epoch (reshuffle_each_iteration)?"""
+    return bool(getattr(ds, "_reshuffle_each_iteration", True))
+
+
+def nondeterministic(ds) -> bool:
+    """Was this stage asked to run with deterministic=False (parallel map, interleave)?"""
+    return getattr(ds, "_deterministic", None) == "false"
+
+
+def graph_bytes(ds) -> bytes:
+    """The pipeline's serialized graph, functions included (what interleave and flat_map read)."""
+    return ds._as_serialized_graph().numpy()
+
+
+def shard_files(ds, workers: int, rank: int):
+    """ds sharded by file with TensorFlow's FILE auto-shard rewrite (what tf.distribute does): the
+    shard goes in front of the reader."""
+    import tensorflow as tf
+    from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
+
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+    return _AutoShardDataset(ds.with_options(options), workers, rank)
+
+
+def map_again(stage_ds, ds, num_parallel_calls=None):
+    """The function of a map stage, applied again to another input of the same element structure."""
+    from tensorflow.python.data.util import structure
+
+    wrapper = stage_ds._map_func
+
+    def apply(*args):
+        flat = structure.to_tensor_list(wrapper._input_structure, args if len(args) > 1 else args[0])
+        return structure.from_compatible_tensor_list(wrapper.output_structure, wrapper.function(*flat))
+    return ds.map(apply, num_parallel_calls=num_parallel_calls,
+                  deterministic=True if num_parallel_calls else None)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import runtime
+from . import compat, runtime
 from .config import BUILT_IN_VAL_SPLIT, DEFAULT_BATCH_SIZE, Config, UserError
 from .runtime import World
 
@@ -484,8 +484,7 @@ def resolve(ref: str, what: str):
 
 # tf.data's Python classes, by what they do to the elements that pass through (TensorFlow 2.15)
 _ONE_TO_ONE = {"_MapDataset", "_ParallelMapDataset", "_PrefetchDataset", "_ShuffleDataset",
-               "_OptionsDataset", "CacheDataset", "_AssertCardinalityDataset", "_ModelDataset",
-               "_MaxIntraOpParallelismDataset", "_PrivateThreadPoolDataset"}
+               "_OptionsDataset", "CacheDataset", "_AssertCardinalityDataset"}
 _KEEP_BATCHING = _ONE_TO_ONE | {"_FilterDataset", "_TakeDataset", "_SkipDataset", "_RepeatDataset",
                                 "_ShardDataset", "_IgnoreErrorsDataset", "_TakeWhileDataset"}
 _BATCHERS = {"_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset", "_RebatchDataset",
@@ -496,9 +495,9 @@ def _upstream(ds, through: set):
     """ds, then what it reads from, for as long as each step is one of `through` (by class name)."""
     while True:
         yield ds
-        if type(ds).__name__ not in through or not hasattr(ds, "_input_dataset"):
+        if compat.stage(ds) not in through or compat.stage_input(ds) is None:
             return
-        ds = ds._input_dataset
+        ds = compat.stage_input(ds)
 
 
 def batching(ds):
@@ -511,13 +510,9 @@ def batching(ds):
     import tensorflow as tf
 
     for d in _upstream(ds, _KEEP_BATCHING):
-        name = type(d).__name__
+        name = compat.stage(d)
         if name in _BATCHERS:
-            size = getattr(d, "_batch_size", None)
-            try:
-                return True, int(size) if size is not None else None
-            except (TypeError, ValueError):
-                return True, None
+            return True, compat.batch_of(d)[0]
         if name == "_UnbatchDataset":
             return False, None
     shapes = [s.shape for s in tf.nest.flatten(ds.element_spec) if hasattr(s, "shape")]
@@ -571,7 +566,7 @@ def _in_graph(ds, names=_READERS) -> set:
     inside interleave/flat_map functions."""
     import re
 
-    graph = ds._as_serialized_graph().numpy()
+    graph = compat.graph_bytes(ds)
     return {name for name in names if re.search(rb"(?<![A-Za-z])" + name.encode() + rb"(V\d)?(?![A-Za-z])", graph)}
 
 
@@ -747,12 +742,7 @@ def _from_pipeline(cfg: Config, world: World, name: str, train, val, user_shards
 def _auto_sharded(ds, workers: int, rank: int):
     """ds sharded by file, by TensorFlow's FILE rewrite (what tf.distribute does): the shard goes in
     front of the reader, so a skip inserted above the reader skips records of this worker's files."""
-    import tensorflow as tf
-    from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
-
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
-    return _AutoShardDataset(ds.with_options(options), workers, rank)
+    return compat.shard_files(ds, workers, rank)
 
 
 _REBUILT = {"_MapDataset", "_ParallelMapDataset", "_PrefetchDataset", "_BatchDataset"}
@@ -766,11 +756,11 @@ def skip_cheaply(ds, n: int):
     if not n:
         return ds
     stages, below, count = [], ds, n
-    while type(below).__name__ in _REBUILT:
+    while compat.stage(below) in _REBUILT:
         stages.append(below)
-        if type(below).__name__ == "_BatchDataset":  # every batch before the resume point is full
-            count *= int(below._batch_size)
-        below = below._input_dataset
+        if compat.stage(below) == "_BatchDataset":  # every batch before the resume point is full
+            count *= compat.batch_of(below)[0]
+        below = compat.stage_input(below)
     try:
         out = below.skip(count)
         for stage in reversed(stages):
@@ -787,20 +777,14 @@ def skip_cheaply(ds, n: int):
 def _again(stage, ds):
     """One stage of a pipeline (map, batch, prefetch) applied again, to another input."""
     import tensorflow as tf
-    from tensorflow.python.data.util import structure
 
-    name = type(stage).__name__
+    name = compat.stage(stage)
     if name == "_PrefetchDataset":
         return ds.prefetch(tf.data.AUTOTUNE)
     if name == "_BatchDataset":
-        return ds.batch(stage._batch_size, drop_remainder=stage._drop_remainder)
-    wrapper = stage._map_func
-
-    def apply(*args):
-        flat = structure.to_tensor_list(wrapper.input_structure, args if len(args) > 1 else args[0])
-        return structure.from_compatible_tensor_list(wrapper.output_structure, wrapper.function(*flat))
-    parallel = tf.data.AUTOTUNE if name == "_ParallelMapDataset" else None
-    return ds.map(apply, num_parallel_calls=parallel, deterministic=True if parallel else None)
+        size, drop = compat.batch_of(stage)
+        return ds.batch(size, drop_remainder=drop)
+    return compat.map_again(stage, ds, tf.data.AUTOTUNE if name == "_ParallelMapDataset" else None)
 
 
 def unrepeatable(ds) -> Optional[str]:
@@ -813,17 +797,14 @@ def unrepeatable(ds) -> Optional[str]:
         if id(d) in seen:
             continue
         seen.add(id(d))
-        name = type(d).__name__
-        if name == "_ShuffleDataset" and getattr(d, "_reshuffle_each_iteration", True):
+        name = compat.stage(d)
+        if name == "_ShuffleDataset" and compat.reshuffles(d):
             return ("it reshuffles every epoch (shuffle(..., reshuffle_each_iteration=True), the default; "
                     "give reshuffle_each_iteration=False, or return it unshuffled and unbatched: hvdtrain then "
                     "shuffles it, the same way in every run)")
-        if getattr(d, "_deterministic", None) == "false":
+        if compat.nondeterministic(d):
             return f"it runs {name.strip('_')} with deterministic=False"
-        try:
-            todo.extend(d._inputs())
-        except Exception:
-            pass
+        todo.extend(compat.stage_inputs(d))
     return None
 
 

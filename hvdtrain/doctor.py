@@ -31,6 +31,33 @@ def check(name, status, detail, **facts):
     return {"check": name, "status": status, "detail": detail, **facts}
 
 
+def stack():
+    """Which of hvdtrain's two stacks this host runs: the versions every host of a job must share."""
+    import platform
+
+    import numpy
+    import tensorflow as tf
+
+    from . import compat
+
+    facts = {"stack": f"keras{compat.keras_major()}", "python": platform.python_version(),
+             "tensorflow": tf.__version__, "keras": compat.keras_version(), "numpy": numpy.__version__}
+    return check("stack", OK, f"{facts['stack']}: Python {facts['python']}, TensorFlow {facts['tensorflow']}, "
+                              f"Keras {facts['keras']}, numpy {facts['numpy']}", **facts)
+
+
+def same_stack(reports) -> list:
+    """One error when the hosts of a job run different stacks (a job across them would hang or fail
+    at its first collective, or train different code): none when they agree."""
+    seen = {rep["host"]: next((r for r in rep["results"] if r["check"] == "stack"), None) for rep in reports}
+    kinds = {tuple(r[k] for k in ("stack", "python", "tensorflow", "keras", "numpy")) for r in seen.values() if r}
+    if len(kinds) <= 1:
+        return []
+    return [check("stacks", ERROR, "the hosts run different stacks: " + "; ".join(
+        f"{host}: {r['detail']}" for host, r in seen.items() if r) + "; set every host up with the same "
+        "scripts/setup.sh (HVDTRAIN_STACK, PYTHON)")]
+
+
 def horovod_build():
     try:
         import horovod
@@ -337,7 +364,7 @@ def ssh_reachable(hosts, port=None):
 
 def host_report(args) -> dict:
     slots = args.slots or runtime.world().local_size
-    results = horovod_build() + mpi()
+    results = [stack()] + horovod_build() + mpi()
     if results[0]["status"] != ERROR:
         results += gpus(slots) + [placement()]
     results.append(cpu_threads(slots, args.threads))
@@ -368,6 +395,8 @@ def main(argv) -> int:
         world = _init_quietly()
     report = host_report(args) if world.local_rank == 0 else None
     reports = [r for r in runtime.gather(report) if r]
+    if reports:
+        reports[0]["results"] += same_stack(reports)
     failed = any(r["status"] == ERROR for rep in reports for r in rep["results"])
     if world.is_chief:
         print(json.dumps({"hosts": reports, "ok": not failed}, indent=2) if args.json else render(reports),

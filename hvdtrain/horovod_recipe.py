@@ -8,6 +8,11 @@ do the same work. Every rank prints `RECIPE {"rank": r, "samples_per_sec": s, "f
 (samples/s over the epochs after the first, as hvdtrain's summary counts them; t: the first epoch,
 which traces the step).
 
+Under Keras 3, Horovod's Keras layer (DistributedOptimizer, its callbacks) does not work; the recipe is
+then what a Keras 3 user writes by hand: a train_step that averages the gradients with
+`hvd.allreduce` before `optimizer.apply`, rank 0's variables broadcast before the first step, and the
+warm-up as a LearningRateScheduler.
+
     horovodrun -np 2 python -m hvdtrain.horovod_recipe --model cnn --image-size 16 --steps 100
 """
 import argparse
@@ -47,22 +52,14 @@ def main():
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().shuffle(10000).batch(args.batch_size)
 
     model = models.BUILDERS[args.model](shape, 10)
-    # Horovod: adjust learning rate based on number of GPUs, add Horovod Distributed Optimizer
     scaled_lr = 0.001 * hvd.size()
+    if hasattr(tf.keras, "ops"):
+        return keras3(args, model, dataset, scaled_lr)
+    # Horovod: adjust learning rate based on number of GPUs, add Horovod Distributed Optimizer
     opt = hvd.DistributedOptimizer(tf.optimizers.Adam(scaled_lr))
     # Horovod: experimental_run_tf_function=False so that TF uses hvd.DistributedOptimizer()
     model.compile(loss=tf.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer=opt,
                   metrics=["accuracy"], experimental_run_tf_function=False)
-
-    class Timer(tf.keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            self.seconds = []
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.t0 = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            self.seconds.append(time.perf_counter() - self.t0)
 
     timer = Timer()
     callbacks = [
@@ -77,10 +74,58 @@ def main():
     # Horovod: write logs on worker 0 only
     verbose = 1 if hvd.rank() == 0 else 0
     model.fit(dataset, steps_per_epoch=args.steps, callbacks=callbacks, epochs=args.epochs, verbose=verbose)
+    report(args, timer)
+
+
+class Timer(tf.keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.seconds = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.t0 = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.perf_counter() - self.t0)
+
+
+def report(args, timer):
     timed = timer.seconds[1:] or timer.seconds
     rate = len(timed) * args.steps * args.batch_size / sum(timed)
     print("RECIPE " + json.dumps({"rank": hvd.rank(), "samples_per_sec": rate, "first_epoch_s": timer.seconds[0]}),
           flush=True)
+
+
+def keras3(args, built, dataset, scaled_lr):
+    """The same recipe as a Keras 3 user writes it by hand, with Horovod's TensorFlow ops."""
+    import horovod.tensorflow as hvd_tf
+    import keras
+
+    class HorovodModel(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+            grads = tape.gradient(loss, self.trainable_variables)
+            # Horovod: average the gradients over the workers
+            grads = hvd_tf.grouped_allreduce(grads, op=hvd_tf.Average)
+            self.optimizer.apply(grads, self.trainable_variables)
+            for metric in self.metrics:
+                metric.update_state(loss) if metric.name == "loss" else metric.update_state(y, y_pred)
+            return {m.name: m.result() for m in self.metrics}
+
+    model = HorovodModel(built.inputs, built.outputs)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(scaled_lr), metrics=["accuracy"])
+    # Horovod: broadcast the initial variables (and the optimizer's) from rank 0 before the first step
+    model.optimizer.build(model.trainable_variables)
+    hvd_tf.broadcast_variables([v.value for v in model.variables + model.optimizer.variables], root_rank=0)
+    timer = Timer()
+    # Horovod: the first epoch warms up to scaled_lr (by epoch, as keras.callbacks take it)
+    warmup = keras.callbacks.LearningRateScheduler(lambda epoch, lr: scaled_lr / hvd.size() if epoch == 0 else scaled_lr)
+    model.fit(dataset, steps_per_epoch=args.steps, callbacks=[warmup, timer], epochs=args.epochs,
+              verbose=1 if hvd.rank() == 0 else 0)
+    report(args, timer)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def ssh_check(host: str, port: int | None = None):
 
 
 VERSIONS = ("import sys, json; v = {'python': sys.version.split()[0]}\n"
-            "for m in ('tensorflow', 'horovod', 'hvdtrain'):\n"
+            "for m in ('tensorflow', 'keras', 'numpy', 'horovod', 'hvdtrain'):\n"
             "    try: v[m] = __import__(m).__version__\n"
             "    except Exception as e: v[m] = 'missing'\n"
             "print(json.dumps(v))")

@@ -120,18 +120,19 @@ class Compile:
     notes: list = field(default_factory=list)
 
 
-def compile_plan(model, cfg, steps_per_epoch: int) -> Compile:
-    """Keep what the user compiled; flags replace parts of it (with a note); fill in what is missing."""
+def compile_plan(model, cfg, steps_per_epoch: int | None = None) -> Compile:
+    """Keep what the user compiled; flags replace parts of it (with a note); fill in what is missing.
+    steps_per_epoch: the epoch's length, which the steps per call divide under Keras 3 (None: unknown)."""
     user = compat.compile_config(model)
     notes = []
     activations = output_activations(model)
     if cfg.loss:
         loss = _named_loss(cfg.loss, activations)
         if user.get("loss") is not None:
-            notes.append(f"--loss {cfg.loss} replaces the model's compiled loss {_describe(user['loss'])}")
+            notes.append(f"--loss {cfg.loss} replaces the model's compiled loss {describe(user['loss'])}")
         described = cfg.loss
     elif user.get("loss") is not None or (user and type(model).train_step is not _keras_train_step()):
-        loss, described = user.get("loss"), f"{_describe(user.get('loss'))} (model.compile)"
+        loss, described = user.get("loss"), f"{describe(user.get('loss'))} (model.compile)"
     else:
         loss, described = _default_loss(model, activations)
     binary_logits = _binary_logits(loss, activations)
@@ -143,20 +144,15 @@ def compile_plan(model, cfg, steps_per_epoch: int) -> Compile:
         metrics = user.get("metrics")
     else:
         metrics = [_named_metric("accuracy", binary_logits)]
-    asked = cfg.steps_per_execution or user.get("steps_per_execution")
+    asked = cfg.steps_per_execution or compat.compiled_steps_per_execution(user)
     per_call = asked if isinstance(asked, int) else 1 if cfg.elastic else DEFAULT_STEPS_PER_EXECUTION
     if asked == "auto":  # Keras retunes it from each process's own clock, in a thread
         notes.append(f"the model was compiled with steps_per_execution='auto': it trains with {per_call} "
                      f"steps per call (hvdtrain's default), since Keras would tune it on each rank's own "
                      f"clock and the ranks must call back at the same steps (a checkpoint inside an epoch "
                      f"gathers from all)")
-    if compat.keras3() and steps_per_epoch % per_call:
-        # Keras 3 runs whole calls (it would read the next epoch's batches in an epoch's last call), and
-        # fixes the count for a whole fit(): a count that divides the epoch keeps epochs whole
-        fits = max(n for n in range(1, per_call + 1) if steps_per_epoch % n == 0)
-        notes.append(f"{fits} steps per call, not {per_call}: Keras 3 runs whole calls, and {per_call} does "
-                     f"not divide the epoch's {steps_per_epoch} steps")
-        per_call = fits
+    if compat.keras3() and steps_per_epoch:
+        per_call = _whole_calls(per_call, steps_per_epoch, notes)
     jit = cfg.jit_compile if cfg.jit_compile is not None else user.get("jit_compile")
     kwargs = {"loss": loss, "metrics": metrics,
               "loss_weights": user.get("loss_weights"), "weighted_metrics": user.get("weighted_metrics"),
@@ -167,6 +163,18 @@ def compile_plan(model, cfg, steps_per_epoch: int) -> Compile:
               # Keras 3's default "auto" turns XLA on wherever a GPU is: only an explicit True asks
               "jit_compile": jit is True}
     return Compile(user.get("optimizer"), kwargs, described, per_call, notes)
+
+
+def _whole_calls(per_call: int, steps_per_epoch: int, notes: list) -> int:
+    """Keras 3 fixes the steps per call for a whole fit() and runs whole calls: an epoch's last call
+    would read the next epoch's batches (Keras 2 reads the count before every call, and cuts the last
+    call short). So the count divides the epoch: epochs end, and a resumed epoch's rest starts, on a
+    call's end; a step checkpoint lands at the end of the call that reaches its step."""
+    fits = max(n for n in range(1, per_call + 1) if steps_per_epoch % n == 0)
+    if fits != per_call:
+        notes.append(f"{fits} step{'s' if fits > 1 else ''} per call, not {per_call}: Keras 3 runs whole calls, so the count divides "
+                     f"the epoch's {steps_per_epoch} steps")
+    return fits
 
 
 def _keras_train_step():
@@ -257,13 +265,13 @@ def _default_loss(model, activations):
             f"sparse categorical crossentropy on {what}")
 
 
-def _describe(loss) -> str:
+def describe(loss) -> str:
     if loss is None:
         return "none"
     if isinstance(loss, str):
         return loss
     if isinstance(loss, dict):
-        return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in loss.items()) + "}"
+        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in loss.items()) + "}"
     if isinstance(loss, (list, tuple)):
-        return "[" + ", ".join(_describe(v) for v in loss) + "]"
+        return "[" + ", ".join(describe(v) for v in loss) + "]"
     return getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__

@@ -256,15 +256,27 @@ def broadcast_initial_state(model, root_rank: int = 0):
         # model.variables also lists lookup tables' handlers (TextVectorization, StringLookup): not
         # variables. Each rank adapted its own table, maybe on data in another order (a vocabulary's
         # ties then fall differently): rank 0's vocabularies go to every rank, so a token has one id.
-        lookups = [l for l in compat.sublayers(model) if hasattr(l, "get_vocabulary") and hasattr(l, "set_vocabulary")]
-        inner = {id(getattr(l, "_lookup_layer", None)) for l in lookups}  # a TextVectorization's StringLookup
-        lookups = [l for l in lookups if id(l) not in inner]
+        lookups = lookup_layers(model)
         if lookups:
             mine = [_vocabulary(l) for l in lookups] if hvd.rank() == root_rank else None
             for layer, vocab in zip(lookups, hvd.broadcast_object(mine, root_rank=root_rank, name="hvdtrain.vocab")):
                 layer.set_vocabulary(*vocab)
         hvd.broadcast_variables(compat.tf_variables(model.variables), root_rank=root_rank)
         hvd.broadcast_variables(compat.tf_variables(model.optimizer.variables), root_rank=root_rank)
+
+
+def lookup_layers(model) -> list:
+    """The layers that hold a vocabulary (StringLookup, TextVectorization; a TextVectorization's own
+    StringLookup left out: it follows its owner)."""
+    lookups = [l for l in compat.sublayers(model) if hasattr(l, "get_vocabulary") and hasattr(l, "set_vocabulary")]
+    inner = {id(getattr(l, "_lookup_layer", None)) for l in lookups}
+    return [l for l in lookups if id(l) not in inner]
+
+
+def copy_vocabularies(source, target):
+    """Give `target`'s lookup layers `source`'s vocabularies (Keras 3 keeps them out of get_weights)."""
+    for theirs, ours in zip(lookup_layers(source), lookup_layers(target)):
+        ours.set_vocabulary(*_vocabulary(theirs))
 
 
 def _vocabulary(layer) -> tuple:

@@ -116,6 +116,7 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
     if model is None:
         model = agree(models.build, cfg.model, data)
     cfg, trainer = agree(compile_for_training, model, cfg, world, data.steps_per_epoch)
+    _refuse_data_without_targets(model, data.element_spec)
     _build_loss_and_metrics(model, data.element_spec)
     for note in ([] if elastic else data.notes) + trainer.notes:
         log.info(note)
@@ -233,6 +234,19 @@ def _xla_only_where_horovod_has_it(plan, cfg: Config, world: runtime.World):
     plan.kwargs["jit_compile"] = False
     plan.notes.append("the model was compiled with jit_compile=True: XLA is off, since it cannot compile "
                       "Horovod's allreduce on CPU workers (Horovod has XLA kernels for GPUs only)")
+
+
+def _refuse_data_without_targets(model, element_spec):
+    """Keras' own train_step needs targets for a compiled loss. Without them Keras 2 says so inside the
+    first step and Keras 3 fails there with "None values not supported": say it before training."""
+    import tensorflow as tf
+
+    loss = compat.compile_config(model).get("loss")
+    if loss is None or type(model).train_step is not tf.keras.Model.train_step:
+        return
+    if tf.keras.utils.unpack_x_y_sample_weight(element_spec)[1] is None:
+        raise UserError(f"Target data is missing: the data give inputs only, and the model was compiled with "
+                        f"loss={models.describe(loss)}; return (x, y) pairs from the data")
 
 
 def _build_loss_and_metrics(model, element_spec):
@@ -641,6 +655,8 @@ def export_model(model, run_dir: str) -> str:
         model.save_weights(path)
         return path
     plain.set_weights(model.get_weights())
+    if compat.keras3():
+        optimizer.copy_vocabularies(model, plain)
     try:
         _compile_as_trained(plain, model)
     except Exception as e:  # a loss or metric Keras cannot rebuild from its config (a lambda, ...)

@@ -4,8 +4,8 @@
 # A second call finds the stamp up to date and returns in about a second.
 #
 # The stack (HVDTRAIN_STACK overrides; PYTHON picks the interpreter, default python3):
-#   keras3  TensorFlow 2.18.1, Keras 3, numpy 2: Python 3.10-3.12 (the only choice on 3.12)
-#   keras2  TensorFlow 2.15.1, Keras 2 (tf.keras), numpy<2: Python 3.9-3.11 (the default there, for now)
+#   keras3  TensorFlow 2.18.1, Keras 3, numpy 2: Python 3.10-3.12 (the default wherever it runs)
+#   keras2  TensorFlow 2.15.1, Keras 2 (tf.keras), numpy<2: Python 3.9-3.11
 # HVDTRAIN_VENV names the venv (default .venv), so both stacks can live side by side.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,19 +39,19 @@ apt_install() {
 
 apt_install
 
-# Which stack this Python can run, and which one was asked for.
+# Which stack this Python can run, and which one was asked for (today's wherever the Python allows).
 PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 case "$PYVER" in
   3.9) CAN="keras2" ;;
-  3.10|3.11) CAN="keras2 keras3" ;;
+  3.10|3.11) CAN="keras3 keras2" ;;
   3.12) CAN="keras3" ;;
   *) CAN="" ;;
 esac
 STACK=${HVDTRAIN_STACK:-${CAN%% *}}
 if [ -z "$CAN" ] || [[ " $CAN " != *" $STACK "* ]]; then
   echo "setup: Python $PYVER ($PY) cannot run the ${HVDTRAIN_STACK:-hvdtrain} stack: keras3 needs Python 3.10-3.12," \
-       "keras2 Python 3.9-3.11 (Horovod 0.28.1 builds against no TensorFlow for Python 3.13); point setup at one:" \
-       "PYTHON=python3.12 scripts/setup.sh" >&2
+       "keras2 Python 3.9-3.11 (Horovod 0.28.1 builds against no TensorFlow for Python 3.13); point setup at" \
+       "one: PYTHON=python3.12 scripts/setup.sh" >&2
   exit 2
 fi
 case "$STACK" in
@@ -65,9 +65,9 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
 fi
 
-# A venv of another Python (the stack changed) is made anew.
-if [ -x "$VENV/bin/python" ] && [ "$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" != "$PYVER" ]; then
-  echo "setup: $VENV holds another Python; making it anew for Python $PYVER"
+# A venv of another stack or Python is made anew (Horovod is built against one TensorFlow).
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.hvdtrain-stack" 2>/dev/null)" != "$STACK $PYVER" ]; then
+  echo "setup: $VENV holds another stack or Python; making it anew for the $STACK stack on Python $PYVER"
   rm -rf "$VENV"
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -75,12 +75,35 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 $PIP install -q --upgrade pip "setuptools<70" wheel  # Horovod 0.28.1 builds with setuptools<70
 # TensorFlow first: Horovod compiles its TensorFlow ops against the installed TensorFlow.
 $PIP install -q "$TF_SPEC" "${PINS[@]}" "mpi4py>=3.1,<5"
+# Horovod's wheel is built once per TensorFlow and Python and kept (pip's own cache would hand a wheel
+# built against another TensorFlow of the same Python to the other stack).
 if ! "$VENV/bin/python" -c "import horovod.tensorflow as h; assert h.mpi_built() and h.gloo_built()" 2>/dev/null; then
-  echo "setup: building horovod==0.28.1 against TensorFlow (a few minutes the first time; pip caches the wheel)"
-  HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
-  HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-    $PIP install -q --no-build-isolation horovod==0.28.1
+  TF_VERSION=$("$VENV/bin/python" -c 'import tensorflow as tf; print(tf.__version__)' 2>/dev/null)
+  WHEELS=${HVDTRAIN_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}/horovod-0.28.1-tf$TF_VERSION-py$PYVER
+  TAG=cp${PYVER/./}
+  if [ -n "${HVDTRAIN_HOROVOD_WHEEL_DIR:-}" ] && ls "$HVDTRAIN_HOROVOD_WHEEL_DIR"/horovod-0.28.1-$TAG-*.whl >/dev/null 2>&1; then
+    WHEELS=$HVDTRAIN_HOROVOD_WHEEL_DIR  # a wheel built for this TensorFlow and Python (docker/wheels)
+  fi
+  if ! ls "$WHEELS"/horovod-0.28.1-$TAG-*.whl >/dev/null 2>&1; then
+    echo "setup: building horovod==0.28.1 against TensorFlow $TF_VERSION (a few minutes, once; kept in $WHEELS)"
+    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+    HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+      $PIP wheel -q --no-cache-dir --no-deps --no-build-isolation -w "$WHEELS" horovod==0.28.1
+  fi
+  $PIP install -q --force-reinstall --no-deps "$WHEELS"/horovod-0.28.1-$TAG-*.whl
+  $PIP install -q horovod==0.28.1  # its own requirements
 fi
 $PIP install -q -e ".[dev]" "${PINS[@]}"
+# What the user installs into the venv later (pip install pandas) keeps the stack: pip reads the venv's
+# own pip.conf, whose constraints hold TensorFlow, Keras and numpy where this stack has them.
+"$VENV/bin/python" - "$VENV" <<'PY'
+import importlib.metadata as md, os, sys
+venv = os.path.abspath(sys.argv[1])
+pins = [f"{d}=={md.version(d)}" for d in ("tensorflow-cpu", "tensorflow", "keras", "numpy", "horovod")
+        if any(x.metadata["Name"].lower() == d for x in md.distributions())]
+open(os.path.join(venv, "constraints.txt"), "w").write("\n".join(pins) + "\n")
+open(os.path.join(venv, "pip.conf"), "w").write(f"[global]\nconstraint = {venv}/constraints.txt\n")
+PY
+echo "$STACK $PYVER" > "$VENV/.hvdtrain-stack"
 echo "$WANT" > "$STAMP"
 echo "setup: ready in $VENV: the $STACK stack ($("$VENV/bin/python" -c 'import tensorflow as tf, keras, horovod, numpy; print("Python", __import__("platform").python_version(), "tensorflow", tf.__version__, "keras", keras.__version__, "numpy", numpy.__version__, "horovod", horovod.__version__)' 2>/dev/null))"

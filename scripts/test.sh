@@ -1,7 +1,23 @@
 #!/usr/bin/env bash
-# Set everything up (idempotent), then run the whole test suite. Extra arguments go to pytest,
-# e.g. scripts/test.sh -m "not docker" or scripts/test.sh tests/test_config.py
+# Set everything up (idempotent), then run the tests: the whole suite on the default stack (.venv), then,
+# where this machine has a Python for it, the tests of what differs between the two Keras generations
+# (marker `stacks`) on the other stack, in .venv-keras2 or .venv-keras3.
+# Extra arguments go to pytest on the default stack alone: scripts/test.sh -m "not docker",
+# scripts/test.sh tests/test_config.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+if (($#)); then
+  exec .venv/bin/python -m pytest "$@"
+fi
+status=0
+.venv/bin/python -m pytest || status=$?
+other=$(.venv/bin/python -c "import tensorflow as tf; print('keras2' if hasattr(tf.keras, 'ops') else 'keras3')")
+if py=$(bash scripts/python_for.sh "$other"); then
+  echo "test: the $other stack, tests marked 'stacks' (Python $py)"
+  PYTHON=$py HVDTRAIN_STACK=$other HVDTRAIN_VENV=.venv-$other bash scripts/setup.sh
+  ".venv-$other/bin/python" -m pytest -m stacks -p no:cacheprovider || status=$?
+else
+  echo "test: no Python for the $other stack on this machine: its tests are not run"
+fi
+exit $status

@@ -11,6 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable  # the project's .venv python: horovodrun and mpirun start workers with it
 BIN = Path(PYTHON).parent
 LAUNCHERS = ("gloo", "mpi", "mpirun")
+# the stack under test: Keras 3 (tf.keras has keras.ops) or Keras 2; asked of the venv's own Python
+KERAS3 = subprocess.run([PYTHON, "-c", "import tensorflow as tf, sys; sys.exit(not hasattr(tf.keras, 'ops'))"],
+                        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}).returncode == 0
 
 
 def job_env(extra=None):

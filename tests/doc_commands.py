@@ -15,6 +15,7 @@ NOT_RUN = {
     "HVDTRAIN_SOAK_JOBS=30 scripts/test.sh -m soak": "the soak group itself, run by scripts/test.sh",
     "scripts/docker_up.sh": "the docker group (tests/test_docker.py) runs the compose cluster",
     "scripts/docker_base.sh": "the docker group (tests/test_docker.py) builds the base image",
+    "HVDTRAIN_STACK=keras2 scripts/test.sh": "scripts/test.sh runs the keras2 stack's tests itself, this way",
 }
 
 
@@ -60,7 +61,7 @@ def small(cmd: str, tmp: Path, yaml: Path, hostfile: Path, discovery: Path) -> s
                       f" --repeats 1 --out {tmp / 'bench'}")  # the sections themselves: tests/test_bench.py
     if cmd.startswith("scripts/run.sh") or re.search(r"-m hvdtrain( --|$)", cmd) and "--help" not in cmd:
         return cmd + f" --epochs 1 --steps-per-epoch 3 --output-dir {tmp / 'run'} --verbose 0 --no-tensorboard"
-    if cmd.endswith("examples/train_script.py"):
+    if cmd.endswith(("examples/train_script.py", "examples/keras3_train.py")):
         return cmd + f" 1 {tmp / 'script'}"
     return cmd
 

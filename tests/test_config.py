@@ -1,5 +1,6 @@
 """The config: defaults < YAML < flags, every field documented, every bad value one clear error."""
 import dataclasses
+import os
 
 import pytest
 
@@ -72,3 +73,26 @@ def test_class_weight_is_the_same_mapping_from_flags_yaml_and_the_python_api(tmp
     for bad in (["0=1", "1=x"], ["0:1"], ["0=-1"], ["0=1", "0=2"], ["0=nan"], {-1: 2}, {"a": 1}):
         with pytest.raises(UserError, match="--class-weight takes CLASS=WEIGHT pairs"):
             config.from_dict({"class_weight": bad}).validate()
+
+
+@pytest.mark.stacks
+def test_a_users_pip_install_pandas_into_the_venv_keeps_the_stack_working():
+    """keras.io's structured-data examples use pandas; pip resolves it against the venv's constraints
+    (scripts/setup.sh writes them), so numpy and TensorFlow stay the stack's and still import."""
+    import subprocess
+
+    from conftest import PYTHON
+
+    def versions():
+        out = subprocess.run([PYTHON, "-c", "import numpy, tensorflow as tf; print(numpy.__version__, tf.__version__)"],
+                             capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()
+
+    before = versions()
+    pip = subprocess.run([PYTHON, "-m", "pip", "install", "-q", "pandas"], capture_output=True, text=True, timeout=600)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    assert versions() == before
+    check = subprocess.run([PYTHON, "-c", "import pandas, tensorflow as tf; print(tf.constant(pandas.Series([1.5]).values))"],
+                           capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert check.returncode == 0 and "1.5" in check.stdout, check.stderr[-2000:]

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from conftest import ROOT, launch
+from conftest import KERAS3, ROOT, launch
 from hvdtrain import doctor
 
 
@@ -27,6 +27,17 @@ def test_doctor_reports_horovod_build_mpi_and_cpu_budget():
     assert "TensorFlow yes" in r["horovod"]["detail"]
     assert "Open MPI" in r["mpi"]["detail"]
     assert r["cpu"]["workers"] == 1 and r["cpu"]["status"] == "ok"
+    import tensorflow as tf
+
+    assert r["stack"]["stack"] == ("keras3" if KERAS3 else "keras2") and r["stack"]["tensorflow"] == tf.__version__
+
+
+def test_hosts_of_one_job_on_different_stacks_are_one_error_naming_each():
+    ours = doctor.stack()
+    other = {**ours, "stack": "keras2", "tensorflow": "2.15.1", "keras": "2.15.0", "detail": "keras2: ..."}
+    assert doctor.same_stack([{"host": "a", "results": [ours]}, {"host": "b", "results": [ours]}]) == []
+    (error,) = doctor.same_stack([{"host": "a", "results": [ours]}, {"host": "b", "results": [other]}])
+    assert error["status"] == doctor.ERROR and "a: keras" in error["detail"] and "b: keras2" in error["detail"]
 
 
 def test_doctor_under_horovodrun_reports_once_per_host_with_its_local_size():

@@ -70,6 +70,7 @@ def _workers_launched_as(rank, out):
     return found
 
 
+@pytest.mark.stacks
 def test_elastic_job_takes_in_a_new_host_loses_a_worker_and_still_finishes_every_epoch(tmp_path):
     third = _local_alias()
     hostfile = tmp_path / "hosts"
@@ -111,6 +112,7 @@ def test_elastic_job_takes_in_a_new_host_loses_a_worker_and_still_finishes_every
     assert processes_of(tmp_path, settle=2) == []
 
 
+@pytest.mark.stacks
 def test_elastic_commits_every_commit_every_steps_also_with_several_steps_per_call():
     """Horovod's CommitStateCallback counts Keras' calls of the step; with 4 steps per call it used to
     commit every 40 steps for --commit-every 10 (and lose up to 40 steps to a dead worker)."""

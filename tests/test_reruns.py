@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT, launch, train
+from conftest import KERAS3, ROOT, launch, train
 
 FAST = ("--model", "mlp", "--data", "digits", "--steps-per-epoch", "4")
 
@@ -73,8 +73,10 @@ def test_a_loss_that_does_not_fit_the_labels_is_one_line_naming_the_op_not_lost_
     assert proc.returncode != 0
     lines = [l for l in proc.stdout.splitlines() if "hvdtrain: error" in l]
     assert len(lines) == 1, proc.stdout[-4000:]
-    assert "InvalidArgumentError at " in lines[0] and "SparseSoftmaxCrossEntropyWithLogits" in lines[0]
-    assert "is not in [0, 2)" in lines[0] and "traceback in " in lines[0]
+    assert "InvalidArgumentError at " in lines[0]
+    assert "SparseSoftmaxCrossEntropyWithLogits" in lines[0] or KERAS3 and "compile_loss" in lines[0]
+    # Keras 3 builds the loss's gradient into the same graph, and its gather may fail first
+    assert ("is not in [0, 2)" in lines[0] or KERAS3 and "is out of range" in lines[0]) and "traceback in " in lines[0]
     assert "lost its peers" not in proc.stdout
     log = re.search(r"traceback in (\S+?\.log)", lines[0]).group(1)
     assert "Traceback" in open(log).read()

@@ -2,11 +2,12 @@
 import numpy as np
 import pytest
 
-from conftest import LAUNCHERS, run_worker_script, train
+from conftest import KERAS3, LAUNCHERS, run_worker_script, train
 
 DIGITS_FAST = ("--model", "mlp", "--data", "digits", "--epochs", "2", "--steps-per-epoch", "5")
 
 
+@pytest.mark.stacks
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_every_rank_ends_with_identical_weights_under_the_measured_cpu_defaults(launcher, out):
     summary = train(2, launcher, out, *DIGITS_FAST)
@@ -29,6 +30,7 @@ def test_seed_zero_trains_like_any_other_seed(out):
     assert summary["config"]["seed"] == 0 and summary["epochs_run"] == 2
 
 
+@pytest.mark.stacks
 def test_two_workers_equal_one_worker_with_twice_the_batch(tmp_path):
     """Synchronous data parallelism is exact: same samples per step, gradients averaged, same update."""
     import tensorflow as tf
@@ -48,6 +50,7 @@ def test_two_workers_equal_one_worker_with_twice_the_batch(tmp_path):
     assert max_diff("two", "unscaled") > 1e-3  # the comparison can tell a different update apart
 
 
+@pytest.mark.stacks
 @pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
 def test_broadcast_gives_every_rank_rank0_initial_weights(launcher):
     r = run_worker_script(2, launcher, "broadcast_check.py")
@@ -71,6 +74,9 @@ def test_plain_python_trains_as_one_worker(out):
 
 @pytest.fixture(scope="module")
 def first_step():
+    if KERAS3:
+        pytest.skip("Keras 2's: Keras 3 builds the loss and metrics outside the step, and Horovod's "
+                    "DistributedOptimizer, the peer of this comparison, does not run under Keras 3")
     return run_worker_script(2, "gloo", "first_step_check.py")
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from conftest import launch, train
 
+pytestmark = pytest.mark.stacks  # the user data contract: run on both stacks
+
 SGD_MODEL = ("--model", "user_models:sgd_momentum")  # takes (8, 8, 1) digits; needs no num_classes
 
 

@@ -4,7 +4,9 @@ The models and data are written as users write them (tests/user_models.py, tests
 import numpy as np
 import pytest
 
-from conftest import ROOT, PYTHON, launch, run_worker_script, train
+from conftest import KERAS3, ROOT, PYTHON, launch, run_worker_script, train
+
+pytestmark = pytest.mark.stacks  # the user model contract: run on both stacks
 
 
 def _saved(out):
@@ -36,13 +38,18 @@ def test_a_model_compiled_with_steps_per_execution_auto_trains_with_the_default_
     """Keras' "auto" retunes the count on each process's own clock, so ranks would call back (a checkpoint
     inside an epoch gathers from all) at different steps; and Keras' compile leaves the tuner on."""
     res = run_worker_script(2, "gloo", "steps_per_execution_check.py")
-    assert res["ranks"] == [{"steps_per_execution": 10, "tuning": False}] * 2
     assert "compiled with steps_per_execution='auto': it trains with 10 steps per call" in res["log"]
+    if KERAS3:  # which Keras 3 lowers to divide the epoch's 11 steps, saying so
+        assert res["ranks"] == [{"steps_per_execution": 1, "tuning": False}] * 2
+        assert "1 step per call, not 10: Keras 3 runs whole calls" in res["log"]
+    else:
+        assert res["ranks"] == [{"steps_per_execution": 10, "tuning": False}] * 2
 
 
 @pytest.mark.parametrize("flag, compiled, elastic, trains_with", [
     (None, None, False, 10), (None, None, True, 1), (None, 3, False, 3), (None, 1, False, 1), (5, 3, False, 5),
     (None, 3, True, 3)], ids=["default", "elastic", "compiled", "compiled-one", "flag-wins", "elastic-compiled"])
+# Keras 3's compile writes its default, 1, which cannot be told from asking for 1: hvdtrain's default wins
 def test_steps_per_execution_is_the_flag_else_the_users_compile_else_ten_or_one_under_elastic(
         flag, compiled, elastic, trains_with):
     import user_models
@@ -52,14 +59,17 @@ def test_steps_per_execution_is_the_flag_else_the_users_compile_else_ten_or_one_
     if compiled:
         model.compile("adam", "mse", steps_per_execution=compiled)
     plan = models.compile_plan(model, config.Config(steps_per_execution=flag, elastic=elastic))
+    if KERAS3 and compiled == 1 and not flag:
+        trains_with = 1 if elastic else 10
     assert plan.steps_per_execution == trains_with
-    assert plan.kwargs["steps_per_execution"] == (flag or compiled)  # what model.compile keeps and saves
+    # what model.compile keeps and saves (Keras 3 takes no None, and reads the count once per fit)
+    assert plan.kwargs["steps_per_execution"] == (trains_with if KERAS3 else flag or compiled)
 
 
 def test_a_model_whose_loss_keras_cannot_rebuild_is_saved_uncompiled_and_says_so(out):
     train(1, None, out, "--model", "user_models:lambda_loss", "--data", "user_data:diabetes", "--epochs", "1")
     assert "model.keras is saved without its compile state" in (out / "logs" / "rank0.log").read_text()
-    assert _saved(out).optimizer is None
+    assert getattr(_saved(out), "optimizer", None) is None  # Keras 3 has no attribute until compiled
 
 
 def test_regression_on_diabetes_beats_predicting_the_mean(out):
@@ -88,8 +98,11 @@ def test_binary_classifier_keeps_the_users_auc_combined_exactly_over_workers(out
     assert type(model.optimizer) is tf.keras.optimizers.Adam and model.optimizer.iterations.numpy() == 6 * s["steps_per_epoch"]
     assert model.optimizer.get_config()["learning_rate"] == pytest.approx(2e-3)  # as it ended: 1e-3 x 2 workers
     # trained 10 steps per call, hvdtrain's default; saved with the count the user compiled (none: Keras' 1)
-    assert s["steps_per_execution"] == 10 and model.get_compile_config()["steps_per_execution"] is None
-    assert int(model.steps_per_execution.numpy()) == 1
+    if KERAS3:  # the largest count up to 10 that divides the epoch's 7 steps; Keras 3 saves what it ran
+        assert s["steps_per_execution"] == 7 and model.steps_per_execution == 7
+    else:
+        assert s["steps_per_execution"] == 10 and model.get_compile_config()["steps_per_execution"] is None
+        assert int(model.steps_per_execution.numpy()) == 1
     x, y = _val("breast_cancer")
     one = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
     assert one["auc"] == pytest.approx(s["metrics"]["val_auc"], abs=1e-6)
@@ -187,8 +200,11 @@ def test_what_a_pretrained_base_holds_that_no_step_changes_comes_back_bit_identi
     assert len(s["weights_sha256_by_rank"]) == 3 and len(set(s["weights_sha256_by_rank"])) == 1
     built, trained = getattr(user_models, builder)().layers[1], _saved(tmp_path).layers[1]
     assert len(built.non_trainable_weights) >= 100  # 104 BatchNorm statistics, or the whole base
-    for before, after in zip(built.non_trainable_weights, trained.non_trainable_weights):
-        assert before.name == after.name and np.array_equal(before.numpy(), after.numpy()), after.name
+    # Keras 3 trains a base called with training=False in training mode once it is trainable (its
+    # functional call passes fit's training=True down): plain Keras 3 moves those statistics too
+    same = [before.name == after.name and np.array_equal(before.numpy(), after.numpy())
+            for before, after in zip(built.non_trainable_weights, trained.non_trainable_weights)]
+    assert not all(same) if KERAS3 and builder == "fine_tuned_mobilenet" else all(same)
     if builder == "frozen_mobilenet":
         size = {p.name.split(".")[0]: p.stat().st_size for p in (tmp_path / "checkpoints").glob("*.data-*")}
         step = [n for n in size if "-step-" in n]

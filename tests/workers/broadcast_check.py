@@ -2,7 +2,6 @@
 import json
 
 import horovod.tensorflow as hvd
-import horovod.tensorflow.keras as hvd_keras
 import tensorflow as tf
 
 from hvdtrain import models, optimizer, runtime, train
@@ -10,7 +9,7 @@ from hvdtrain import models, optimizer, runtime, train
 world = runtime.init()
 tf.keras.utils.set_random_seed(1000 + world.rank)
 model = models.BUILDERS["mlp"]((8, 8, 1), 10)
-model.compile(optimizer=hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3)),
+model.compile(optimizer=tf.keras.optimizers.Adam(1e-3),
               loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 before = hvd.allgather_object(train.weights_sha256(model))
 optimizer.broadcast_initial_state(model)

@@ -1,7 +1,8 @@
 """A Keras 3 training script as a user writes it, run two ways: `plain` is single-process Keras
 (model.fit on the whole batch), `hvdtrain` is the same script through hvdtrain.init()/fit() on every
-rank of a job. Rank 0 prints RESULT with the final weights."""
+rank of a job. Rank 0 writes the final weights to OUTPUT_DIR/weights.npz and prints RESULT."""
 import json
+import os
 import sys
 
 import hvdtrain
@@ -30,5 +31,7 @@ else:
                  batch_size=GLOBAL_BATCH // world.size, shuffle=False, warmup_epochs=0, val_split=0,
                  output_dir=sys.argv[2], verbose=0, tensorboard=False)
 if world is None or world.is_chief:
-    print("RESULT " + json.dumps({"weights": [w.tolist() for w in model.get_weights()],
+    os.makedirs(sys.argv[2], exist_ok=True)
+    np.savez(os.path.join(sys.argv[2], "weights.npz"), *model.get_weights())
+    print("RESULT " + json.dumps({"weights": os.path.join(sys.argv[2], "weights.npz"),
                                   "optimizer": type(model.optimizer).__name__}), flush=True)

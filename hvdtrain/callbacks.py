@@ -242,7 +242,7 @@ def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: 
             # sets False there, which hid a class attribute, and Keras converted every step's logs
             # to numpy for this hook, a host sync per step (measured: 0.79 ms a step without the hook,
             # 0.91 with it, 0.83 now; docs/benchmarks.md).
-            self._supports_tf_logs = True
+            compat.take_logs_as_tensors(self)
 
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch

@@ -20,9 +20,8 @@ import time
 
 import numpy as np
 
-from . import runtime
+from . import compat, runtime
 from .config import Config, UserError
-from . import compat
 from .optimizer import broadcast_initial_state, build
 from .runtime import log
 
@@ -36,8 +35,8 @@ class Checkpoints:
         self.cfg, self.model = cfg, model
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")  # epochs completed
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")  # steps into the next
-        self.ckpt = tf.train.Checkpoint(model=compat.checkpointed(model), optimizer=model.optimizer, epoch=self.epoch,
-                                        step=self.step)
+        self.ckpt = tf.train.Checkpoint(model=compat.checkpointed(model), optimizer=model.optimizer,
+                                        epoch=self.epoch, step=self.step)
         self.ckpt.save_counter  # created now, so that ckpt.write stores it as CheckpointManager did
         self.resumed_from = None  # the meta of the checkpoint this run resumed from
         self.ranks = None  # on resume: every rank's own state, as saved (see gather_per_rank_state)
@@ -118,7 +117,8 @@ class Checkpoints:
         except Exception:  # unreadable: a corrupt file
             return f"cannot restore checkpoint {path}: {first}"
         with tempfile.TemporaryDirectory() as tmp:  # this model's variables, under the same names
-            ours = dict(tf.train.list_variables(tf.train.Checkpoint(model=compat.checkpointed(self.model)).write(f"{tmp}/c")))
+            mine = tf.train.Checkpoint(model=compat.checkpointed(self.model)).write(f"{tmp}/c")
+            ours = dict(tf.train.list_variables(mine))
         weights = lambda d: {k: v for k, v in d.items() if k.startswith("model/") and "optimizer" not in k
                              and "OPTIMIZER_SLOT" not in k}  # the model's own variables, not its optimizer's
         ours, theirs_model = weights(ours), weights(theirs)

@@ -156,6 +156,30 @@ def _global_process_set():
     return hvd.global_process_set
 
 
+def take_logs_as_tensors(callback):
+    """Tell Keras 2 that this callback takes a step's logs as tensors (no host sync per step for it);
+    Keras 3 converts them for every callback anyway."""
+    callback._supports_tf_logs = True
+
+
+# Horovod's Keras 2 DistributedOptimizer (the keras2 stack): the function it allreduces gradients with
+
+def horovod_allreduce_grads(opt):
+    return opt._allreduce_grads
+
+
+def set_horovod_allreduce_grads(opt, fn):
+    """Replace it, also in the helper that --backward-passes-per-step's accumulation keeps."""
+    opt._allreduce_grads = fn
+    if opt._agg_helper is not None:
+        opt._agg_helper.allreduce_grads = fn
+
+
+def horovod_allreduce(opt, grads, variables) -> list:
+    """The gradients averaged as the DistributedOptimizer averages them."""
+    return opt._allreduce(grads, variables)
+
+
 def elastic_state(model, **kwargs):
     """hvd.elastic's state of the model and its optimizer, with `kwargs` as attributes: Horovod's
     KerasState on Keras 2. Horovod's reads `optimizer.variables()` and broadcasts Keras' variables

@@ -122,7 +122,8 @@ def keras3(args, built, dataset, scaled_lr):
     hvd_tf.broadcast_variables([v.value for v in model.variables + model.optimizer.variables], root_rank=0)
     timer = Timer()
     # Horovod: the first epoch warms up to scaled_lr (by epoch, as keras.callbacks take it)
-    warmup = keras.callbacks.LearningRateScheduler(lambda epoch, lr: scaled_lr / hvd.size() if epoch == 0 else scaled_lr)
+    warmup = keras.callbacks.LearningRateScheduler(
+        lambda epoch, lr: scaled_lr / hvd.size() if epoch == 0 else scaled_lr)
     model.fit(dataset, steps_per_epoch=args.steps, callbacks=[warmup, timer], epochs=args.epochs,
               verbose=1 if hvd.rank() == 0 else 0)
     report(args, timer)

@@ -172,8 +172,8 @@ def _whole_calls(per_call: int, steps_per_epoch: int, notes: list) -> int:
     call's end; a step checkpoint lands at the end of the call that reaches its step."""
     fits = max(n for n in range(1, per_call + 1) if steps_per_epoch % n == 0)
     if fits != per_call:
-        notes.append(f"{fits} step{'s' if fits > 1 else ''} per call, not {per_call}: Keras 3 runs whole calls, so the count divides "
-                     f"the epoch's {steps_per_epoch} steps")
+        notes.append(f"{fits} step{'s' if fits > 1 else ''} per call, not {per_call}: Keras 3 runs whole calls, "
+                     f"so the count divides the epoch's {steps_per_epoch} steps")
     return fits
 
 

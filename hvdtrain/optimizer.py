@@ -158,10 +158,8 @@ def _allreduce_traced_as_written(opt):
     conditions are tf.cond already), so traced as written it builds the same ops, without the cost."""
     import tensorflow as tf
 
-    fn = tf.function(opt._allreduce_grads.python_function, autograph=False)
-    opt._allreduce_grads = fn
-    if opt._agg_helper is not None:  # --backward-passes-per-step: its (eager) helper keeps a reference
-        opt._agg_helper.allreduce_grads = fn
+    compat.set_horovod_allreduce_grads(
+        opt, tf.function(compat.horovod_allreduce_grads(opt).python_function, autograph=False))
 
 
 def _reduce_in_apply_too(opt):
@@ -180,7 +178,7 @@ def _reduce_in_apply_too(opt):
     def apply_gradients(grads_and_vars, *args, **kwargs):
         if not reduced:
             grads, variables = zip(*list(grads_and_vars))
-            grads_and_vars = list(zip(opt._allreduce(grads, variables), variables))
+            grads_and_vars = list(zip(compat.horovod_allreduce(opt, grads, variables), variables))
         reduced.clear()
         return apply(grads_and_vars, *args, **kwargs)
 

@@ -409,7 +409,8 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
             parts.append(model.fit(data.stream(first_epoch, first_epoch + 1, skip=first_step),
                                    epochs=first_epoch + 1, initial_epoch=first_epoch,
                                    steps_per_epoch=data.steps_per_epoch - first_step,
-                                   class_weight=class_weight, callbacks=callbacks, verbose=0, shuffle=False))
+                                   class_weight=class_weight, callbacks=callbacks, verbose=0,
+                                   shuffle=False))  # the data are shuffled already (Keras 3 warns)
         start = first_epoch + len(parts)
         if start < cfg.epochs and not (parts and model.stop_training):
             parts.append(model.fit(data.stream(start, cfg.epochs), epochs=cfg.epochs, initial_epoch=start,

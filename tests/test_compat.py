@@ -30,7 +30,8 @@ def _stages():
     options.autotune.enabled = True
     return {
         "_MapDataset": ds.map(lambda i: i), "_ParallelMapDataset": ds.map(lambda i: i, num_parallel_calls=2),
-        "_PrefetchDataset": ds.prefetch(1), "_ShuffleDataset": ds.shuffle(4), "_OptionsDataset": ds.with_options(options),
+        "_PrefetchDataset": ds.prefetch(1), "_ShuffleDataset": ds.shuffle(4),
+        "_OptionsDataset": ds.with_options(options),
         "CacheDataset": ds.cache(), "_AssertCardinalityDataset": ds.apply(tf.data.experimental.assert_cardinality(8)),
         "_FilterDataset": ds.filter(lambda i: i > 0), "_TakeDataset": ds.take(2), "_SkipDataset": ds.skip(2),
         "_RepeatDataset": ds.repeat(2), "_ShardDataset": ds.shard(2, 0), "_IgnoreErrorsDataset": ds.ignore_errors(),
@@ -148,3 +149,21 @@ def test_an_uncompiled_copy_has_the_architecture_and_no_compile():
     model = _compiled_model()
     copy = compat.uncompiled_copy(model)
     assert [l.name for l in copy.layers] == [l.name for l in model.layers] and not compat.compile_config(copy)
+
+
+@pytest.mark.skipif(compat.keras3(), reason="Horovod's Keras 2 DistributedOptimizer: the keras2 stack")
+def test_horovods_keras2_optimizer_internals_are_there():
+    import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+
+    hvd.init()
+    for passes in (1, 2):
+        opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), backward_passes_per_step=passes)
+        fn = compat.horovod_allreduce_grads(opt)
+        assert callable(fn.python_function)
+        compat.set_horovod_allreduce_grads(opt, fn)
+        v = tf.Variable([1.0, 2.0])
+        assert compat.horovod_allreduce(opt, [tf.constant([3.0, 4.0])], [v])[0].numpy().tolist() == [3.0, 4.0]
+    callback = tf.keras.callbacks.Callback()
+    compat.take_logs_as_tensors(callback)
+    assert callback._supports_tf_logs

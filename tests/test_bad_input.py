@@ -67,11 +67,12 @@ def yaml_files(tmp_path):
     return {"bad_yaml": str(bad), "unknown_key": str(unknown)}
 
 
-@pytest.mark.parametrize("np_,launcher", [(1, None), (2, "gloo")], ids=["1-worker", "2-workers"])
 # Keras' own messages, which differ between the generations: run on both stacks
-KERAS_SAYS = ("a compiled loss and data without targets", "raw text into a numeric model", "validation data of another shape")
+KERAS_SAYS = ("a compiled loss and data without targets", "raw text into a numeric model",
+              "validation data of another shape")
 
 
+@pytest.mark.parametrize("np_,launcher", [(1, None), (2, "gloo")], ids=["1-worker", "2-workers"])
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.stacks) if c in KERAS_SAYS else c for c in CASES])
 def test_bad_input_fails_fast_with_one_clear_line(case, np_, launcher, yaml_files, tmp_path):
     flags, message = CASES[case]

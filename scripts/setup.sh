@@ -20,6 +20,7 @@ apt_install() {
   command -v mpicxx >/dev/null || missing+=(libopenmpi-dev)
   command -v ssh >/dev/null || missing+=(openssh-client)
   command -v cmake >/dev/null || missing+=(cmake)
+  command -v make >/dev/null || missing+=(make)
   command -v g++ >/dev/null || missing+=(g++)
   command -v "$PY" >/dev/null || missing+=(python3)
   "$PY" -c "import ensurepip" 2>/dev/null || missing+=(python3-venv)

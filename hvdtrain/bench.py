@@ -15,6 +15,8 @@
               (hvdtrain/sync_vs_async.py)
   startup     launch to first step on a user's own TFRecord files, against the `tfrecord:` source
   checkpoint  what --checkpoint-every-steps costs at its default N, for each built-in model
+  stacks      the same hvdtrain run on this stack and on another venv's (--other-python, e.g.
+              .venv-keras2/bin/python): Keras 3 against Keras 2, interleaved
 
 Writes bench.json and PNG plots in --out, and prints the figures side by side.
 """
@@ -60,16 +62,16 @@ def _run(cmd, timeout, env=None):
     return proc.stdout
 
 
-def _python(n: int, controller: str, hosts: str | None, binding: str | None = None):
-    """The command that starts this python on n workers (itself, for one). binding: MPI's process
-    binding (horovodrun's --binding-args; its default and ours binds nothing)."""
+def _python(n: int, controller: str, hosts: str | None, binding: str | None = None, py: str = PY):
+    """The command that starts this python (or `py`, another venv's) on n workers (itself, for one).
+    binding: MPI's process binding (horovodrun's --binding-args; its default and ours binds nothing)."""
     if n == 1:
-        return [PY]
+        return [py]
     if controller == "mpirun":
         return ["mpirun", "-np", str(n), *(binding or "--bind-to none").split(), "-x", "TF_CPP_MIN_LOG_LEVEL",
-                "-x", "PATH", PY]
-    return [str(BIN / "horovodrun"), "-np", str(n), "-H", hosts or f"localhost:{n}", f"--{controller}",
-            *(["--binding-args", binding] if binding else []), PY]
+                "-x", "PATH", py]
+    return [str(Path(py).parent / "horovodrun"), "-np", str(n), "-H", hosts or f"localhost:{n}", f"--{controller}",
+            *(["--binding-args", binding] if binding else []), py]
 
 
 def _controller(args) -> str:
@@ -393,6 +395,34 @@ def recipe(args, out: Path) -> dict:
             "rows": rows}
 
 
+def stacks(args, out: Path) -> dict:
+    """hvdtrain on this stack against the same run on another venv's stack (--other-python), the same
+    model, synthetic data, flags and thread budget at the most workers; interleaved A B A B, the ratio
+    of each pair (this / other)."""
+    import numpy as np
+
+    if not args.other_python:
+        raise UserError("bench: --sections stacks needs --other-python (another venv's python, e.g. "
+                        ".venv-keras2/bin/python)")
+    n, rows = max(args.workers), []
+    pythons = {"this": _python(n, _controller(args), args.hosts),
+               "other": _python(n, _controller(args), args.hosts, py=args.other_python)}
+    for model in args.checkpoint_models:
+        size, steps, flags = _sized(args, model)
+        runs, named = {"this": [], "other": []}, {}
+        for rep in range(args.repeats):
+            for key, python in pythons.items():
+                s = _train(python, out / f"stacks-{model}-{key}-{rep}", flags, args.timeout)
+                runs[key].append(s["samples_per_sec_total"])
+                named[key] = s["stack"]
+            say(f"stacks {model} {n} workers: {named['this']['stack']} {runs['this'][-1]:.1f}, "
+                f"{named['other']['stack']} {runs['other'][-1]:.1f} samples/s")
+        ratios = [a / b for a, b in zip(runs["this"], runs["other"])]
+        rows.append({"model": model, "image_size": size, "steps_per_epoch": steps, "samples_per_sec": runs,
+                     "stacks": named, "ratios": ratios, "ratio_median": float(np.median(ratios))})
+    return {"workers": n, "controller": _controller(args), "rows": rows}
+
+
 # ---------------------------------------------------------------- start-up on a user's own files
 
 def startup(args, out: Path) -> dict:
@@ -596,6 +626,13 @@ def report(results: dict) -> str:
         for row in r["rows"]:
             lines.append(f"  {row['model']:9} {_spread(row['ratios'])}  first epoch: recipe / hvdtrain "
                          f"{_spread(row['first_epoch_ratios'])}")
+    if "stacks" in results:
+        st = results["stacks"]
+        for row in st["rows"]:
+            this, other = (f"{row['stacks'][k]['stack']} (TensorFlow {row['stacks'][k]['tensorflow']}, Keras "
+                           f"{row['stacks'][k]['keras']})" for k in ("this", "other"))
+            lines.append(f"== {this} / {other}, {st['workers']} workers, {st['controller']}: {row['model']:9} "
+                         f"{_spread(row['ratios'])} (min/median/max of {len(row['ratios'])} interleaved pairs)")
     if "checkpoint" in results:
         c = results["checkpoint"]
         lines.append(f"== checkpoint every {c['every']} steps ({c['workers']} workers): the per-step hook "
@@ -642,6 +679,8 @@ def parser():
     p.add_argument("--study-workers", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4])
     p.add_argument("--study-seeds", type=int, default=3)
     p.add_argument("--study-epochs", type=int, default=10)
+    p.add_argument("--other-python", help="stacks: another venv's python to compare with "
+                   "(e.g. .venv-keras2/bin/python)")
     p.add_argument("--study-peer", help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=["allreduce", "keras", "sync-vs-async"], help=argparse.SUPPRESS)
     return p
@@ -682,6 +721,8 @@ def main(argv) -> int:
         results["startup"] = startup(args, out)
     if "checkpoint" in args.sections:
         results["checkpoint"] = checkpoint_cost(args, out)
+    if "stacks" in args.sections:
+        results["stacks"] = stacks(args, out)
     if "sync-vs-async" in args.sections:
         results["sync_vs_async"] = sync_vs_async.study(
             args, out, lambda python, run_dir, flags: _train(python, run_dir, flags, args.timeout),

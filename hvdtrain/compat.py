@@ -33,6 +33,17 @@ def keras_version() -> str:
     return tf.__version__  # Keras 2 ships inside TensorFlow 2.15 at its version
 
 
+def stack() -> dict:
+    """Which of hvdtrain's two stacks this process runs, and its versions."""
+    import platform
+
+    import numpy
+    import tensorflow as tf
+
+    return {"stack": f"keras{keras_major()}", "python": platform.python_version(), "tensorflow": tf.__version__,
+            "keras": keras_version(), "numpy": numpy.__version__}
+
+
 def compile_config(model) -> dict:
     """What the user passed to model.compile (optimizer, loss, metrics, ...), or {} if uncompiled."""
     compiled = getattr(model, "compiled", None) if keras3() else getattr(model, "_is_compiled", False)

@@ -33,15 +33,9 @@ def check(name, status, detail, **facts):
 
 def stack():
     """Which of hvdtrain's two stacks this host runs: the versions every host of a job must share."""
-    import platform
-
-    import numpy
-    import tensorflow as tf
-
     from . import compat
 
-    facts = {"stack": f"keras{compat.keras_major()}", "python": platform.python_version(),
-             "tensorflow": tf.__version__, "keras": compat.keras_version(), "numpy": numpy.__version__}
+    facts = compat.stack()
     return check("stack", OK, f"{facts['stack']}: Python {facts['python']}, TensorFlow {facts['tensorflow']}, "
                               f"Keras {facts['keras']}, numpy {facts['numpy']}", **facts)
 

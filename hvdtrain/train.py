@@ -169,6 +169,7 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
         "precision": {"policy": _policy(), "loss_scaling": _loss_scaling(model)},
         "elastic_rounds": rounds,
         "runtime_env": runtime.applied_defaults(),
+        "stack": compat.stack(),  # Python, TensorFlow, Keras, numpy
         "config": cfg.to_dict(),
     }
     _write_outputs(cfg, model, summary)

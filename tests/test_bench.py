@@ -123,3 +123,14 @@ def test_bench_prices_step_checkpoints_from_the_hook_and_the_save(tmp_path):
     assert row["cost_at_default"] == row["hook_cost"] + row["save_cost"]
     assert row["save_cost"] == row["save_s_median"] / 1000 / row["step_s"]
     assert "bench: checkpoint mlp hook on" in text and "== checkpoint every 1000 steps" in text
+
+
+def test_bench_compares_this_stack_with_another_venvs_pair_by_pair(tmp_path):
+    """--sections stacks: the same run on two venvs' stacks, interleaved (here the same venv twice:
+    what the section does is under test, not the ratio)."""
+    text, res = _bench(tmp_path, "--controllers", "gloo", "--sections", "stacks", "--steps", "1", "--repeats", "1",
+                       "--checkpoint-models", "mlp", "--other-python", PYTHON)
+    (row,) = res["stacks"]["rows"]
+    assert row["model"] == "mlp" and len(row["ratios"]) == 1 and row["ratios"][0] > 0
+    assert row["stacks"]["this"] == row["stacks"]["other"] and row["stacks"]["this"]["stack"] in ("keras2", "keras3")
+    assert f"== {row['stacks']['this']['stack']} (TensorFlow" in text

@@ -24,13 +24,10 @@ def keras3() -> bool:
 
 
 def keras_version() -> str:
-    import tensorflow as tf
+    """The version of the `keras` package: 3.x on the keras3 stack, 2.15.0 beside TensorFlow 2.15."""
+    import keras
 
-    if keras3():
-        import keras
-
-        return keras.__version__
-    return tf.__version__  # Keras 2 ships inside TensorFlow 2.15 at its version
+    return keras.__version__
 
 
 def stack() -> dict:

@@ -50,9 +50,10 @@ case "$PYVER" in
 esac
 STACK=${HVDTRAIN_STACK:-${CAN%% *}}
 if [ -z "$CAN" ] || [[ " $CAN " != *" $STACK "* ]]; then
-  echo "setup: Python $PYVER ($PY) cannot run the ${HVDTRAIN_STACK:-hvdtrain} stack: keras3 needs Python 3.10-3.12," \
-       "keras2 Python 3.9-3.11 (Horovod 0.28.1 builds against no TensorFlow for Python 3.13); point setup at" \
-       "one: PYTHON=python3.12 scripts/setup.sh" >&2
+  case "$STACK" in keras2) WORKS=python3.11 ;; *) WORKS=python3.12 ;; esac
+  echo "setup: Python $PYVER ($PY) cannot run the ${STACK:-keras3} stack: keras3 needs Python 3.10-3.12, keras2" \
+       "Python 3.9-3.11 (Horovod 0.28.1 did not build against TensorFlow 2.21, Python 3.13's); point setup at" \
+       "one: PYTHON=$WORKS scripts/setup.sh" >&2
   exit 2
 fi
 case "$STACK" in

@@ -96,3 +96,21 @@ def test_a_users_pip_install_pandas_into_the_venv_keeps_the_stack_working():
     check = subprocess.run([PYTHON, "-c", "import pandas, tensorflow as tf; print(tf.constant(pandas.Series([1.5]).values))"],
                            capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert check.returncode == 0 and "1.5" in check.stdout, check.stderr[-2000:]
+
+
+@pytest.mark.parametrize("version, stack, works", [("3.13", "", "python3.12"), ("3.12", "keras2", "python3.11")])
+def test_setup_on_a_python_no_stack_supports_says_which_pythons_work_in_one_line(version, stack, works, tmp_path):
+    import glob
+    import subprocess
+
+    from conftest import ROOT
+
+    found = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}*/bin/python{version}")))
+    if not found:
+        pytest.skip(f"no Python {version} on this machine")
+    proc = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHON": found[0], "HVDTRAIN_STACK": stack,
+                               "HVDTRAIN_VENV": str(tmp_path / "venv")})
+    assert proc.returncode == 2 and not (tmp_path / "venv").exists()
+    (line,) = proc.stderr.strip().splitlines()
+    assert "keras3 needs Python 3.10-3.12, keras2 Python 3.9-3.11" in line and f"PYTHON={works} scripts/setup.sh" in line

@@ -12,7 +12,7 @@ setup(
     version="0.1.0",
     description="Data-parallel training of Keras models with Horovod ring-allreduce",
     packages=find_packages(include=["hvdtrain", "hvdtrain.*"]),
-    python_requires=">=3.9,<3.13",
+    python_requires=">=3.9,<3.14",
     install_requires=[
         "numpy",
         "mpi4py>=3.1,<5",
@@ -21,8 +21,8 @@ setup(
         "horovod==0.28.1",
     ],
     extras_require={
-        "cpu": ["tensorflow-cpu>=2.15.1,<2.19"],
-        "gpu": ["tensorflow[and-cuda]>=2.15.1,<2.19"],
+        "cpu": ["tensorflow-cpu>=2.15.1,<2.22"],
+        "gpu": ["tensorflow[and-cuda]>=2.15.1,<2.22"],
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib>=3.6"],
     },
     entry_points={"console_scripts": ["hvdtrain=hvdtrain.__main__:main"]},

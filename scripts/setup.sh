@@ -4,7 +4,8 @@
 # A second call finds the stamp up to date and returns in about a second.
 #
 # The stack (HVDTRAIN_STACK overrides; PYTHON picks the interpreter, default python3):
-#   keras3  TensorFlow 2.18.1, Keras 3, numpy 2: Python 3.10-3.12 (the default wherever it runs)
+#   keras3  TensorFlow 2.18.1, Keras 3, numpy 2: Python 3.10-3.12 (the default wherever it runs);
+#           on Python 3.13 TensorFlow 2.21.0, Horovod built with one line of its own changed (below)
 #   keras2  TensorFlow 2.15.1, Keras 2 (tf.keras), numpy<2: Python 3.9-3.11
 # HVDTRAIN_VENV names the venv (default .venv), so both stacks can live side by side.
 set -euo pipefail
@@ -45,20 +46,20 @@ PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 case "$PYVER" in
   3.9) CAN="keras2" ;;
   3.10|3.11) CAN="keras3 keras2" ;;
-  3.12) CAN="keras3" ;;
+  3.12|3.13) CAN="keras3" ;;
   *) CAN="" ;;
 esac
 STACK=${HVDTRAIN_STACK:-${CAN%% *}}
 if [ -z "$CAN" ] || [[ " $CAN " != *" $STACK "* ]]; then
   case "$STACK" in keras2) WORKS=python3.11 ;; *) WORKS=python3.12 ;; esac
-  echo "setup: Python $PYVER ($PY) cannot run the ${STACK:-keras3} stack: keras3 needs Python 3.10-3.12, keras2" \
-       "Python 3.9-3.11 (Horovod 0.28.1 did not build against TensorFlow 2.21, Python 3.13's); point setup at" \
-       "one: PYTHON=$WORKS scripts/setup.sh" >&2
+  echo "setup: Python $PYVER ($PY) cannot run the ${STACK:-keras3} stack: keras3 needs Python 3.10-3.13, keras2" \
+       "Python 3.9-3.11; point setup at one: PYTHON=$WORKS scripts/setup.sh" >&2
   exit 2
 fi
-case "$STACK" in
-  keras3) TF_DEFAULT="tensorflow-cpu==2.18.1"; PINS=("numpy>=2,<2.1" "keras>=3.5,<4") ;;
-  keras2) TF_DEFAULT="tensorflow-cpu==2.15.1"; PINS=("numpy<2") ;;
+case "$STACK $PYVER" in
+  "keras3 3.13") TF_DEFAULT="tensorflow-cpu==2.21.0"; PINS=("numpy>=2" "keras>=3.5,<4" tensorboard) ;;  # TF 2.21 no longer brings it
+  keras3*) TF_DEFAULT="tensorflow-cpu==2.18.1"; PINS=("numpy>=2,<2.1" "keras>=3.5,<4") ;;
+  keras2*) TF_DEFAULT="tensorflow-cpu==2.15.1"; PINS=("numpy<2") ;;
 esac
 TF_SPEC=${HVDTRAIN_TF:-$TF_DEFAULT}
 WANT=$( (cat setup.py pyproject.toml scripts/setup.sh; echo "$STACK $PYVER $TF_SPEC") | sha256sum | cut -c1-16)
@@ -88,9 +89,22 @@ if ! "$VENV/bin/python" -c "import horovod.tensorflow as h; assert h.mpi_built()
   fi
   if ! ls "$WHEELS"/horovod-0.28.1-$TAG-*.whl >/dev/null 2>&1; then
     echo "setup: building horovod==0.28.1 against TensorFlow $TF_VERSION (a few minutes, once; kept in $WHEELS)"
+    SOURCE=horovod==0.28.1
+    if [[ "$TF_VERSION" != 2.1[0-9].* ]]; then
+      # TensorFlow 2.20+: horovod/tensorflow/xla_mpi_ops.cc includes TensorFlow's XLA headers, which want
+      # highwayhash headers TensorFlow's wheel does not ship. The rest of that file is for GPU builds
+      # only (#if HAVE_GPU); with its includes under HAVE_GPU too, a CPU build compiles none of it.
+      SRC=$(mktemp -d)
+      $PIP download -q --no-deps --no-binary :all: -d "$SRC" horovod==0.28.1
+      tar xzf "$SRC"/horovod-0.28.1.tar.gz -C "$SRC"
+      sed -i 's/^#if TENSORFLOW_VERSION >= 2006000000$/& \&\& HAVE_GPU/' "$SRC"/horovod-0.28.1/horovod/tensorflow/xla_mpi_ops.cc
+      grep -q '^#if TENSORFLOW_VERSION >= 2006000000 && HAVE_GPU$' "$SRC"/horovod-0.28.1/horovod/tensorflow/xla_mpi_ops.cc \
+        || { echo "setup: horovod/tensorflow/xla_mpi_ops.cc is not as expected; cannot build for TensorFlow $TF_VERSION" >&2; exit 1; }
+      SOURCE=$SRC/horovod-0.28.1
+    fi
     HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
     HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-      $PIP wheel -q --no-cache-dir --no-deps --no-build-isolation -w "$WHEELS" horovod==0.28.1
+      $PIP wheel -q --no-cache-dir --no-deps --no-build-isolation -w "$WHEELS" "$SOURCE"
   fi
   $PIP install -q --force-reinstall --no-deps "$WHEELS"/horovod-0.28.1-$TAG-*.whl
   $PIP install -q horovod==0.28.1  # its own requirements
@@ -102,7 +116,7 @@ $PIP install -q -e ".[dev]" "${PINS[@]}"
 import importlib.metadata as md, os, sys
 venv = os.path.abspath(sys.argv[1])
 pins = [f"{d}=={md.version(d)}" for d in ("tensorflow-cpu", "tensorflow", "keras", "numpy", "horovod")
-        if any(x.metadata["Name"].lower() == d for x in md.distributions())]
+        if any(x.metadata["Name"].lower().replace("_", "-") == d for x in md.distributions())]
 open(os.path.join(venv, "constraints.txt"), "w").write("\n".join(pins) + "\n")
 open(os.path.join(venv, "pip.conf"), "w").write(f"[global]\nconstraint = {venv}/constraints.txt\n")
 PY

@@ -247,7 +247,6 @@ def broadcast_initial_state(model, root_rank: int = 0):
     everything up front, and the first step is already synchronous.
     """
     import horovod.tensorflow as hvd
-    import tensorflow as tf
 
     build(model)
     if hvd.size() > 1:

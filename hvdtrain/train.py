@@ -648,8 +648,6 @@ def export_model(model, run_dir: str) -> str:
     (a subclass Horovod makes on the fly, which only Horovod could load) and its slots: model.keras
     loads with plain `tf.keras.models.load_model`, ready to evaluate or train on. A subclassed model,
     which Keras cannot rebuild from a config, is saved as weights (model.weights.h5) for its class."""
-    import tensorflow as tf
-
     try:
         plain = compat.uncompiled_copy(model)
     except (ValueError, TypeError, NotImplementedError):

@@ -13,8 +13,6 @@ SGD_DIGITS = ("--data", "digits", "--warmup-epochs", "0", "--epochs", "2", "--st
 
 
 def _weights(path):
-    import keras
-
     import keras3_models
 
     model = keras3_models.custom_step()

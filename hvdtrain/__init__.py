@@ -13,8 +13,9 @@ from .runtime import set_fast_defaults as _set_fast_defaults
 
 _set_fast_defaults()  # read once by TensorFlow and MPI: before the user's script imports them
 
+from .callbacks import on_rank0  # noqa: E402
 from .config import UserError  # noqa: E402
 from .data import DataContext  # noqa: E402
 from .train import fit, init  # noqa: E402
 
-__all__ = ["init", "fit", "DataContext", "UserError"]
+__all__ = ["init", "fit", "on_rank0", "DataContext", "UserError"]

@@ -312,3 +312,102 @@ def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: 
             self.align(now)
 
     return (StepCheckpoints if by_steps else EpochCheckpoints)()
+
+
+# ---------------------------------------------------------------- the user's own Keras callbacks
+
+# Keras callbacks that write files or print: rank 0 alone runs them (one file, written once)
+WRITERS = ("ModelCheckpoint", "CSVLogger", "TensorBoard", "RemoteMonitor", "ProgbarLogger")
+
+
+def on_rank0(callback):
+    """Mark a callback of your own to run on rank 0 only (one that writes files, say):
+    `hvdtrain.fit(model, data, callbacks=[hvdtrain.on_rank0(MyLogger())])`."""
+    callback.hvdtrain_rank0_only = True
+    return callback
+
+
+def for_this_rank(callbacks, chief: bool) -> list:
+    """The user's callbacks this rank runs: every one, but the file writers (WRITERS, on_rank0's) on
+    rank 0 only."""
+    from .config import UserError
+
+    kept = []
+    for cb in callbacks:
+        name = type(cb).__name__
+        if name == "BackupAndRestore":
+            raise UserError("callbacks: BackupAndRestore is what hvdtrain does itself (checkpoints in output_dir, "
+                            "resumed by the same command, on every worker alike): leave it out")
+        if chief or not (getattr(cb, "hvdtrain_rank0_only", False)
+                         or any(c.__name__ in WRITERS and c.__module__.startswith(("keras", "tf_keras"))
+                                for c in type(cb).__mro__)):
+            kept.append(cb)
+    return kept
+
+
+BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+
+
+def has_batch_hooks(callbacks) -> bool:
+    """Does a callback act per training batch (Keras then calls every callback every batch)?"""
+    import tensorflow as tf
+
+    return any(getattr(type(cb), hook) is not getattr(tf.keras.callbacks.Callback, hook)
+               for cb in callbacks for hook in BATCH_HOOKS)
+
+
+def following_the_learning_rate(learning_rate, batch_hooks: bool) -> tuple:
+    """(before, after): two callbacks around the user's, so that a callback that changes the learning
+    rate (ReduceLROnPlateau, LearningRateScheduler, your own) changes the one that trains.
+
+    hvdtrain sets the rate inside every step (learning_rate: optimizer.LearningRate: scaling, warm-up,
+    schedule), which would undo a callback's change at the next step. So `before` notes the rate the
+    user's callbacks are shown, `after` sees what they left: a change by a ratio multiplies
+    hvdtrain's rate by that ratio from then on (LearningRate.factor), on every rank alike (rank 0's
+    ratio, when the ranks' callbacks disagree)."""
+    import tensorflow as tf
+
+    def rate(model):
+        return float(model.optimizer.learning_rate.numpy())
+
+    class Before(tf.keras.callbacks.Callback):
+        seen = None
+
+        def on_train_begin(self, logs=None):
+            lr = self.model.optimizer.learning_rate  # what the first step will train at
+            lr.assign(tf.cast(learning_rate(self.model.optimizer.iterations), lr.dtype))
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.seen = rate(self.model)
+
+        on_epoch_end = on_epoch_begin
+
+    class After(tf.keras.callbacks.Callback):
+        def follow(self, agree: bool):
+            now = rate(self.model)
+            ratio = now / before.seen if before.seen and now != before.seen else 1.0
+            if agree and runtime.world().size > 1:
+                import horovod.tensorflow as hvd
+
+                ratio = hvd.broadcast_object(ratio, root_rank=0, name="hvdtrain.lr_ratio")
+            if ratio != 1.0:
+                learning_rate.factor.assign(learning_rate.factor * ratio)
+                lr = self.model.optimizer.learning_rate
+                lr.assign(tf.cast(before.seen * ratio, lr.dtype))  # the same on every rank
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.follow(agree=True)
+
+        on_epoch_end = on_epoch_begin
+
+    if batch_hooks:
+        def note(self, batch, logs=None):
+            self.seen = rate(self.model)
+
+        def follow(self, batch, logs=None):
+            self.follow(agree=False)
+
+        Before.on_train_batch_begin = Before.on_train_batch_end = note
+        After.on_train_batch_begin = After.on_train_batch_end = follow
+    before = Before()
+    return before, After()

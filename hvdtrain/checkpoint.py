@@ -92,7 +92,7 @@ class Checkpoints:
         if path:
             import tensorflow as tf
 
-            self.resumed_from = check_same_job(self.cfg, path)
+            self.resumed_from = check_same_job(self.cfg, path, setup_of(self.model))
             try:
                 self.ranks = tf.train.load_variable(path, RANKS)
                 self.ckpt.ranks = tf.Variable(np.zeros_like(self.ranks), trainable=False, name="ranks")
@@ -164,7 +164,8 @@ class Checkpoints:
         tmp = os.path.join(directory, META + ".tmp")
         with open(tmp, "w") as fh:
             json.dump({"epoch": epoch, "step": step, "checkpoint": os.path.basename(path),
-                       "world_size": runtime.world().size, "config": self.cfg.to_dict()}, fh, indent=2)
+                       "world_size": runtime.world().size, "config": self.cfg.to_dict(),
+                       "setup": setup_of(self.model)}, fh, indent=2)
         os.replace(tmp, os.path.join(directory, META))
         log.info("checkpoint %s", path)
 
@@ -249,8 +250,18 @@ MUST_MATCH = ("model", "data", "optimizer", "precision", "synthetic_shape", "syn
 _FORMER_NAMES = {("data", "tuple"): ("dataset", "arrays")}
 
 
-def check_same_job(cfg: Config, path: str) -> dict:
-    """A checkpoint of another model would half-restore (TensorFlow only warns): refuse it.
+def setup_of(model) -> dict:
+    """What a later phase of a training script changes (unfreezing, another optimizer), which a
+    checkpoint it resumes from must share: the weights that train, and the optimizer's class."""
+    from .optimizer import user_class
+
+    return {"trainable": [compat.variable_path(v) for v in model.trainable_weights],
+            "optimizer": user_class(model.optimizer).__name__}
+
+
+def check_same_job(cfg: Config, path: str, setup: dict | None = None) -> dict:
+    """A checkpoint of another model would half-restore (TensorFlow only warns), and one of another
+    phase (other weights trainable, another optimizer) would resume the wrong training: refuse them.
     Returns the checkpoint's meta."""
     found = meta(path)
     saved, now = found.get("config", {}), cfg.to_dict()
@@ -259,4 +270,23 @@ def check_same_job(cfg: Config, path: str) -> dict:
     if diff:
         raise UserError(f"checkpoint {path} belongs to a different job ({'; '.join(diff)}); "
                         f"use another --output-dir, or --no-auto-resume to start over")
+    then = found.get("setup")
+    if setup is not None and then is not None and then != setup:
+        raise UserError(f"checkpoint {path} was trained with {_setup_diff(then, setup)}: another phase of "
+                        f"training? Each hvdtrain.fit of one script on the same output_dir trains in its own "
+                        f"fit-N sub-directory; from another script, give it another output_dir (--output-dir), "
+                        f"or auto_resume=False (--no-auto-resume) to start over (the earlier run is kept aside)")
     return found
+
+
+def _setup_diff(then: dict, now: dict) -> str:
+    said = []
+    if then["trainable"] != now["trainable"]:
+        only_then = [v for v in then["trainable"] if v not in now["trainable"]]
+        only_now = [v for v in now["trainable"] if v not in then["trainable"]]
+        said.append(f"{len(then['trainable'])} trainable weights where this model has {len(now['trainable'])}"
+                    + (f" ({only_now[0]} trains here only" if only_now else f" ({only_then[0]} trained there only")
+                    + ")")
+    if then["optimizer"] != now["optimizer"]:
+        said.append(f"the optimizer {then['optimizer']} where this model has {now['optimizer']}")
+    return " and ".join(said)

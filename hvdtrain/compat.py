@@ -89,6 +89,11 @@ def tf_variables(variables) -> list:
     return out
 
 
+def variable_path(variable) -> str:
+    """A variable's name inside its model: Keras 3's path ("dense/kernel"), Keras 2's name ("dense/kernel:0")."""
+    return getattr(variable, "path", None) or variable.name
+
+
 def built_for(optimizer) -> list:
     """Keras 3: the variables an optimizer was built for, in the order `apply(grads)` takes them."""
     return optimizer._trainable_variables

@@ -58,6 +58,8 @@ class Config:
     class_weight: tuple = _f((), "each class's weight in the loss, Keras' fit(class_weight=): "
                                  "--class-weight 0=1 1=5 (YAML and hvdtrain.fit: {0: 1, 1: 5}); "
                                  "default: none", nargs="*", item=str, pairs=True)
+    callbacks: Optional[str] = _f(None, "module:function returning a list of Keras callbacks (they see the "
+                                        "metrics of all workers; those that write files run on rank 0)")
     warmup_epochs: float = _f(1.0, "epochs of linear warm-up from lr to lr x workers (0: none)")
     seed: int = _f(42, "random seed for weights and data order")
     output_dir: Optional[str] = _f(None, "where everything the run writes goes "
@@ -313,10 +315,6 @@ def load(argv=None) -> Config:
 # Keras fit() arguments a user may bring, and what to use here instead
 _KERAS_FIT = {
     "validation_split": "Keras' validation_split is val_split here (held out by position)",
-    "callbacks": "hvdtrain takes no Keras callbacks yet: it sets the learning rate at every step (warm-up, "
-                 "lr_schedule), which would silently undo ReduceLROnPlateau or LearningRateScheduler, and "
-                 "every rank would run a callback that writes files. Early stopping (early_stopping_patience, "
-                 "monitor), the best model (keep_best), checkpoints and TensorBoard are config fields",
 }
 
 

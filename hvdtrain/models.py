@@ -120,9 +120,10 @@ class Compile:
     notes: list = field(default_factory=list)
 
 
-def compile_plan(model, cfg, steps_per_epoch: int | None = None) -> Compile:
+def compile_plan(model, cfg, steps_per_epoch: int | None = None, batch_callbacks: bool = False) -> Compile:
     """Keep what the user compiled; flags replace parts of it (with a note); fill in what is missing.
-    steps_per_epoch: the epoch's length, which the steps per call divide under Keras 3 (None: unknown)."""
+    steps_per_epoch: the epoch's length, which the steps per call divide under Keras 3 (None: unknown).
+    batch_callbacks: the user's callbacks act per batch: unless asked otherwise, 1 step per call."""
     user = compat.compile_config(model)
     notes = []
     activations = output_activations(model)
@@ -145,7 +146,11 @@ def compile_plan(model, cfg, steps_per_epoch: int | None = None) -> Compile:
     else:
         metrics = [_named_metric("accuracy", binary_logits)]
     asked = cfg.steps_per_execution or compat.compiled_steps_per_execution(user)
-    per_call = asked if isinstance(asked, int) else 1 if cfg.elastic else DEFAULT_STEPS_PER_EXECUTION
+    per_call = asked if isinstance(asked, int) else 1 if cfg.elastic or batch_callbacks else \
+        DEFAULT_STEPS_PER_EXECUTION
+    if batch_callbacks and not isinstance(asked, int):
+        notes.append("a callback acts per batch: 1 step per call, so that Keras calls it at every step "
+                     "(steps_per_execution=N calls it every N steps)")
     if asked == "auto":  # Keras retunes it from each process's own clock, in a thread
         notes.append(f"the model was compiled with steps_per_execution='auto': it trains with {per_call} "
                      f"steps per call (hvdtrain's default), since Keras would tune it on each rank's own "

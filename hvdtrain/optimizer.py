@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import math
+import weakref
+from dataclasses import dataclass
 
 from . import compat, runtime
 from .config import DEFAULT_LR, DEFAULT_OPTIMIZER, Config, UserError
@@ -85,6 +87,44 @@ def _is_schedule(lr) -> bool:
     import tensorflow as tf
 
     return isinstance(lr, (dict, tf.keras.optimizers.schedules.LearningRateSchedule))
+
+
+# the config fields a distributed optimizer is made from
+SETTINGS = ("optimizer", "lr", "clip_norm", "compression", "sparse_as_dense", "allreduce_groups", "reduction",
+            "backward_passes_per_step", "precision")
+
+
+@dataclass(frozen=True)
+class Made:
+    """What hvdtrain made a distributed optimizer from, for the model's next fit()."""
+    compiled: object  # the optimizer the model was compiled with (None: hvdtrain chose it)
+    settings: tuple  # SETTINGS' values
+    info: dict  # choose()'s account of it: class, source, the one-worker lr
+
+
+_MADE = weakref.WeakKeyDictionary()  # not attributes: Keras would track the user's optimizer in checkpoints
+
+
+def user_class(opt) -> type:
+    """The user's own optimizer class under hvdtrain's and Horovod's wrappers (and a LossScaleOptimizer)."""
+    opt = getattr(opt, "inner_optimizer", opt)
+    return next(c for c in type(opt).__mro__ if not c.__module__.startswith(("horovod", "hvdtrain")))
+
+
+def settings(cfg: Config) -> tuple:
+    return tuple(getattr(cfg, name) for name in SETTINGS)
+
+
+def made(opt) -> Made | None:
+    """How hvdtrain made `opt` (a model's optimizer after an hvdtrain fit), or None: the user's own."""
+    try:
+        return _MADE.get(opt)
+    except TypeError:  # an optimizer given by name, a string
+        return None
+
+
+def remember(dist, compiled, cfg: Config, info: dict):
+    _MADE[dist] = Made(compiled, settings(cfg), info)
 
 
 def distributed(opt, cfg: Config):
@@ -289,8 +329,9 @@ def _vocabulary(layer) -> tuple:
 
 class LearningRate:
     """The learning rate at a step, computed in the graph: the one-worker lr, warmed up linearly to
-    lr x multiplier over --warmup-epochs, then constant, stepped or cosine-decayed by epoch. What
-    Horovod's LearningRateWarmupCallback and LearningRateScheduleCallback do from Python every batch.
+    lr x multiplier over --warmup-epochs, then constant, stepped or cosine-decayed by epoch, times what
+    the user's callbacks multiplied it by. What Horovod's LearningRateWarmupCallback and
+    LearningRateScheduleCallback do from Python every batch.
 
     Where the run stands (first epoch, its first step, steps per epoch, the multiplier) lives in
     variables that `start` sets, so a resumed or re-sharded (elastic) run continues the same curve.
@@ -305,6 +346,8 @@ class LearningRate:
             self.epoch0 = tf.Variable(0.0, dtype=tf.float64, trainable=False)
             self.step0 = tf.Variable(0, dtype=tf.int64, trainable=False)
             self.steps_per_epoch = tf.Variable(1.0, dtype=tf.float64, trainable=False)
+            # what the user's callbacks multiplied the rate by (callbacks.following_the_learning_rate)
+            self.factor = tf.Variable(1.0, dtype=tf.float64, trainable=False)
 
     def start(self, multiplier: float, epoch: float, step, steps_per_epoch: int):
         """Training (re)starts at `epoch` (fractional within an epoch) when the optimizer's step
@@ -338,7 +381,7 @@ class LearningRate:
             done = tf.floor(e)  # staircase: the epoch the step is in
             passed = tf.add_n([tf.cast(done >= m, tf.float64) for m in cfg.lr_decay_epochs])
             lr = tf.where(done >= start, peak * cfg.lr_decay_factor ** passed, lr)
-        return lr
+        return lr * self.factor
 
 
 NONFINITE = "hvdtrain: the weights are not finite after the update of step"
@@ -376,6 +419,7 @@ def wrap_train_step(model, learning_rate):
     import tensorflow as tf
 
     inner = model.train_step
+    inner = getattr(inner, "hvdtrain_wraps", inner)  # a later fit() wraps the model's own step, once
 
     def train_step(data):
         step = tf.identity(model.optimizer.iterations)  # before this step's update increments it
@@ -387,4 +431,5 @@ def wrap_train_step(model, learning_rate):
         tf.debugging.Assert(tf.math.is_finite(total), [NONFINITE, step])
         return logs
 
+    train_step.hvdtrain_wraps = inner
     model.train_step = train_step

@@ -8,8 +8,10 @@ at every epoch's end (callbacks.py); and let rank 0 alone print and write.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import glob
 import hashlib
 import json
 import math
@@ -36,22 +38,44 @@ def init(**config) -> runtime.World:
     return start(config_lib.from_dict(config).validate(model_object=True, data_object=True))
 
 
-def fit(model, data, validation_data=None, **config) -> dict:
+def fit(model, data, validation_data=None, callbacks=None, **config) -> dict:
     """Train `model` on `data` across the job's workers, as `python -m hvdtrain` would; returns the
     summary (rank 0 also writes it, with the model and checkpoints, under output_dir).
 
     model: a tf.keras.Model (compiled or not), or a model name / module:function.
     data: a tf.data.Dataset, a function returning one (taking a DataContext, it shards itself), a
         (train, val) pair of them, (x, y) arrays, or a --data string.
+    callbacks: Keras callbacks, as model.fit takes them: they see the metrics of all workers; the
+        ones that write files run on rank 0 (hvdtrain.on_rank0 marks your own); a change they make to
+        the learning rate trains.
     config: any of `python -m hvdtrain --help`'s fields (epochs=5, batch_size=64, output_dir=...).
     """
     for key in ("model", "data", "config"):
         if key in config:
             raise UserError(f"hvdtrain.fit: pass {key} positionally, not as a config key")
     model_object, data_object = not isinstance(model, str), not isinstance(data, str)
+    if isinstance(callbacks, str):  # "module:function", as --callbacks takes it
+        config["callbacks"], callbacks = callbacks, None
     cfg = config_lib.from_dict({**config, "model": _label(model), "data": _label(data)}).validate(
         model_object=model_object, data_object=data_object)
-    return run(cfg, model if model_object else None, data if data_object else None, validation_data)
+    cfg, notes = _own_dir_per_fit(cfg)
+    return run(cfg, model if model_object else None, data if data_object else None, validation_data,
+               callbacks, notes)
+
+
+_FITS = collections.Counter()  # run dir -> the hvdtrain.fit calls of this process that trained there
+
+
+def _own_dir_per_fit(cfg: Config) -> tuple:
+    """The n-th fit() of a script on one run dir (transfer learning, then fine-tuning) trains in its
+    own sub-directory, run_dir/fit-n: each phase keeps its checkpoints, and the script run again
+    finds every phase where it left it (a finished one is restored, an interrupted one resumed)."""
+    _FITS[os.path.abspath(cfg.run_dir)] += 1
+    n = _FITS[os.path.abspath(cfg.run_dir)]
+    if n == 1:
+        return cfg, []
+    own = dataclasses.replace(cfg, output_dir=os.path.join(cfg.run_dir, f"fit-{n}"))
+    return own, [f"fit() {n} of this script on {cfg.run_dir}: it trains in {own.run_dir}"]
 
 
 def _label(obj) -> str:
@@ -84,7 +108,7 @@ def start(cfg: Config) -> runtime.World:
     return world
 
 
-def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
+def run(cfg: Config, model=None, data=None, validation_data=None, callbacks=None, notes=()) -> dict:
     t0 = time.time()
     elastic = runtime.launched_elastic()
     if cfg.elastic and not elastic:
@@ -100,10 +124,10 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
     # An elastic worker can join a running job alone: until hvd.elastic.run has synced it with the
     # others, it must not call a collective, so set-up errors are not agreed on there.
     agree = (lambda fn, *args: fn(*args)) if elastic else runtime.all_ranks_agree
-    if not elastic:
-        done = agree(_finished_run, cfg)
-        if done is not None:
-            return done
+    done = None if elastic else agree(_finished_run, cfg)
+    if done is not None and model is None:
+        _say_finished(cfg, done, "nothing to do")
+        return done
 
     need_classes = model is None and models.needs_classes(cfg.model)
     shard = functools.partial(load_data, cfg, source=data, validation=validation_data, need_classes=need_classes)
@@ -115,13 +139,22 @@ def run(cfg: Config, model=None, data=None, validation_data=None) -> dict:
     cfg = dataclasses.replace(cfg, batch_size=data.batch_size)
     if model is None:
         model = agree(models.build, cfg.model, data)
-    cfg, trainer = agree(compile_for_training, model, cfg, world, data.steps_per_epoch)
+    if callbacks is None:
+        callbacks = list(data_lib.resolve(cfg.callbacks, "--callbacks")()) if cfg.callbacks else []
+    callbacks = agree(callbacks_lib.for_this_rank, list(callbacks), world.is_chief)
+    cfg, trainer = agree(compile_for_training, model, cfg, world, data.steps_per_epoch,
+                         callbacks_lib.has_batch_hooks(callbacks))
+    trainer.callbacks = callbacks
     _refuse_data_without_targets(model, data.element_spec)
     _build_loss_and_metrics(model, data.element_spec)
-    for note in ([] if elastic else data.notes) + trainer.notes:
+    for note in [*notes, *([] if elastic else data.notes), *trainer.notes]:
         log.info(note)
     _say_if_step_checkpoints_cannot_resume(cfg, data)
     ckpts = Checkpoints(cfg, model)
+    if done is not None:  # a finished fit() of a script run again: its model leaves as it was trained
+        ckpts.restore_and_broadcast()
+        _say_finished(cfg, done, "its final weights and optimizer state are back in the model")
+        return done
     startup_s = time.time() - t0  # launch to the first step: data found, counted and sharded, model built
     try:
         if elastic:
@@ -197,20 +230,32 @@ class Trainer:
     steps_per_execution: int
     notes: list
     cfg: Config
+    callbacks: list = dataclasses.field(default_factory=list)  # the user's, those this rank runs
 
     def peak_lr(self, world) -> float | None:
         lr = self.optimizer["lr"]
         return None if lr is None else lr * optimizer.lr_multiplier(self.cfg, world)
 
 
-def compile_for_training(model, cfg: Config, world: runtime.World, steps_per_epoch: int):
+def compile_for_training(model, cfg: Config, world: runtime.World, steps_per_epoch: int,
+                         batch_callbacks: bool = False):
     """Compile `model` as its user did (or as the flags say), with the optimizer scaled and wrapped;
-    returns (cfg with the one-worker lr it trains with, Trainer)."""
-    plan = models.compile_plan(model, cfg, steps_per_epoch)
+    returns (cfg with the one-worker lr it trains with, Trainer). batch_callbacks: the user's
+    callbacks act per batch, so Keras calls them every step, as in plain Keras (1 step per call)."""
+    plan = models.compile_plan(model, cfg, steps_per_epoch, batch_callbacks)
     _xla_only_where_horovod_has_it(plan, cfg, world)
-    opt, info, notes = optimizer.choose(cfg, plan.optimizer)
+    again = optimizer.made(plan.optimizer)  # fit() again, not compiled since: Keras' optimizer goes on
+    if again is not None and again.settings == optimizer.settings(cfg):
+        dist, info, notes = plan.optimizer, again.info, []
+    else:
+        compiled = again.compiled if again is not None else plan.optimizer
+        opt, info, notes = optimizer.choose(cfg, compiled)
+        if again is not None:
+            notes.append("this fit() changes the optimizer's settings: its state (slots, step) starts afresh")
+        dist = optimizer.distributed(opt, cfg)
+        optimizer.remember(dist, compiled, cfg, info)
     cfg = dataclasses.replace(cfg, lr=info["lr"] if info["lr"] is not None else cfg.lr)
-    model.compile(optimizer=optimizer.distributed(opt, cfg), **plan.kwargs)
+    model.compile(optimizer=dist, **plan.kwargs)
     model.autotune_steps_per_execution = False  # Keras' compile leaves a user's "auto" tuner on
     model.steps_per_execution = plan.steps_per_execution  # the compile config keeps the user's own
     if cfg.reduction == "adasum":
@@ -294,13 +339,16 @@ def _finished_run(cfg: Config):
         path = checkpoint.find(cfg)
         epoch = checkpoint.epoch_of(path) if path else 0
         if path and epoch >= cfg.epochs:
-            decision = _read_summary(cfg)
-            runtime.say(f"hvdtrain: already trained to epoch {epoch} of {cfg.epochs} in {cfg.run_dir}: "
-                        f"nothing to do; --epochs N (hvdtrain.fit: epochs=N) trains further; --no-auto-resume "
-                        f"(auto_resume=False) or another --output-dir starts over")
+            decision = {**_read_summary(cfg), "last_epoch": epoch}
         elif not path:
             _keep_previous_run(cfg)
     return runtime.gather(decision)[0]
+
+
+def _say_finished(cfg: Config, summary: dict, what: str):
+    runtime.say(f"hvdtrain: already trained to epoch {summary['last_epoch']} of {cfg.epochs} in {cfg.run_dir}: "
+                f"{what}; --epochs N (hvdtrain.fit: epochs=N) trains further; --no-auto-resume "
+                f"(auto_resume=False) or another --output-dir starts over")
 
 
 def _read_summary(cfg: Config) -> dict:
@@ -318,7 +366,9 @@ OUTPUTS = ("summary.json", "model.keras", "model.weights.h5", "best.weights.h5",
 def _keep_previous_run(cfg: Config, keep=(), why="starting afresh"):
     """Rank 0, starting afresh where a run already wrote its results (or about to write results that
     cover fewer epochs than the ones there): move them to previous/<time>, never overwrite them."""
+    later_fits = sorted(os.path.basename(d) for d in glob.glob(os.path.join(cfg.run_dir, "fit-[0-9]*")))
     found = [name for name in OUTPUTS if name not in keep and os.path.exists(os.path.join(cfg.run_dir, name))]
+    found += later_fits if found and "checkpoints" not in keep else []
     if not found:
         return
     where = os.path.join(cfg.run_dir, "previous", time.strftime("%Y%m%d-%H%M%S"))
@@ -356,14 +406,22 @@ def _warn_if_stall_check_is_blind(cfg: Config, world: runtime.World):
 
 # ---------------------------------------------------------------- fit
 
-def keras_callbacks(cfg: Config, data: data_lib.Data, world: runtime.World, saver, epoch_end, progress,
-                    extra=()):
-    """hvdtrain's agreement at epoch end first: every callback after it (early stopping, best model,
-    TensorBoard, checkpoints, progress) sees metrics combined over all workers, so every rank takes
-    the same decisions."""
+def keras_callbacks(cfg: Config, data: data_lib.Data, world: runtime.World, trainer: Trainer, saver,
+                    epoch_end, progress, extra=()):
+    """hvdtrain's agreement at epoch end first: every callback after it (the user's, early stopping,
+    best model, TensorBoard, checkpoints, progress) sees metrics combined over all workers, so every
+    rank takes the same decisions."""
     import tensorflow as tf
 
-    cbs = [epoch_end, *extra]
+    cbs = [epoch_end]
+    if trainer.callbacks:
+        if trainer.learning_rate is not None:
+            before, after = callbacks_lib.following_the_learning_rate(
+                trainer.learning_rate, callbacks_lib.has_batch_hooks(trainer.callbacks))
+            cbs += [before, *trainer.callbacks, after]
+        else:
+            cbs += trainer.callbacks
+    cbs += extra
     if cfg.early_stopping_patience:
         cbs.append(tf.keras.callbacks.EarlyStopping(monitor=cfg.monitor,
                                                     patience=cfg.early_stopping_patience))
@@ -399,7 +457,7 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
     epoch_end, progress = callbacks_lib.make(cfg, data, world.size, world.is_chief)
     saver = callbacks_lib.checkpoints(cfg, ckpts, data.steps_per_epoch, first_epoch, first_step,
                                       trainer.steps_per_execution)
-    callbacks = keras_callbacks(cfg, data, world, saver, epoch_end, progress, extra_callbacks)
+    callbacks = keras_callbacks(cfg, data, world, trainer, saver, epoch_end, progress, extra_callbacks)
     iteration = int(model.optimizer.iterations.numpy()) - first_step  # at the start of first_epoch
     if trainer.learning_rate is not None:
         trainer.learning_rate.start(optimizer.lr_multiplier(cfg, world), first_epoch, iteration,
@@ -671,8 +729,7 @@ def _compile_as_trained(plain, model):
     import tensorflow as tf
 
     opt = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # under a LossScaleOptimizer
-    user_class = next(c for c in type(opt).__mro__ if not c.__module__.startswith(("horovod", "hvdtrain")))
-    users = user_class.from_config(opt.get_config())
+    users = optimizer.user_class(opt).from_config(opt.get_config())
     if opt is not model.optimizer:
         users = tf.keras.mixed_precision.LossScaleOptimizer(users)
     config = model.get_compile_config()

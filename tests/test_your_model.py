@@ -254,8 +254,6 @@ def test_keras_fit_arguments_that_hvdtrain_does_not_take_say_what_to_use_instead
 
     with pytest.raises(UserError, match="Keras' validation_split is val_split here"):
         hvdtrain.fit("mlp", "digits", validation_split=0.2)
-    with pytest.raises(UserError, match="silently undo ReduceLROnPlateau"):
-        hvdtrain.fit("mlp", "digits", callbacks=[])
 
 
 @pytest.mark.parametrize("launcher", ["gloo", None])

@@ -327,17 +327,26 @@ def on_rank0(callback):
     return callback
 
 
+def users(callbacks, cfg) -> list:
+    """The user's callbacks: those given to hvdtrain.fit, else those --callbacks module:function returns."""
+    from .config import UserError
+    from .data import resolve
+
+    if callbacks is None:
+        callbacks = resolve(cfg.callbacks, "--callbacks")() if cfg.callbacks else []
+    callbacks = list(callbacks)
+    for cb in callbacks:
+        if type(cb).__name__ == "BackupAndRestore":
+            raise UserError("callbacks: BackupAndRestore is what hvdtrain does itself (checkpoints in output_dir, "
+                            "resumed by the same command, on every worker alike): leave it out")
+    return callbacks
+
+
 def for_this_rank(callbacks, chief: bool) -> list:
     """The user's callbacks this rank runs: every one, but the file writers (WRITERS, on_rank0's) on
     rank 0 only."""
-    from .config import UserError
-
     kept = []
     for cb in callbacks:
-        name = type(cb).__name__
-        if name == "BackupAndRestore":
-            raise UserError("callbacks: BackupAndRestore is what hvdtrain does itself (checkpoints in output_dir, "
-                            "resumed by the same command, on every worker alike): leave it out")
         if chief or not (getattr(cb, "hvdtrain_rank0_only", False)
                          or any(c.__name__ in WRITERS and c.__module__.startswith(("keras", "tf_keras"))
                                 for c in type(cb).__mro__)):

@@ -190,6 +190,9 @@ class Config:
             raise UserError(f"--resume {self.resume!r}: no such checkpoint")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise UserError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        if self.callbacks is not None and not _is_module_ref(self.callbacks):
+            raise UserError(f"--callbacks takes module:function (a function returning a list of Keras callbacks), "
+                            f"got {self.callbacks!r}")
         if not model_object and self.model not in MODELS and not _is_module_ref(self.model):
             raise UserError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)} "
                             "or give module:function")

@@ -114,6 +114,7 @@ def run(cfg: Config, model=None, data=None, validation_data=None, callbacks=None
     if cfg.elastic and not elastic:
         raise UserError("--elastic needs an elastic launch: horovodrun -np N --min-np MIN --max-np MAX "
                         "--host-discovery-script SCRIPT python -m hvdtrain ... (see docs/reliability.md)")
+    callbacks = callbacks_lib.users(callbacks, cfg)
     world = start(cfg)
     runtime.setup_logging(os.path.join(cfg.run_dir, "logs", f"rank{world.rank}.log")
                           if cfg.worker_logs else None)
@@ -139,9 +140,7 @@ def run(cfg: Config, model=None, data=None, validation_data=None, callbacks=None
     cfg = dataclasses.replace(cfg, batch_size=data.batch_size)
     if model is None:
         model = agree(models.build, cfg.model, data)
-    if callbacks is None:
-        callbacks = list(data_lib.resolve(cfg.callbacks, "--callbacks")()) if cfg.callbacks else []
-    callbacks = agree(callbacks_lib.for_this_rank, list(callbacks), world.is_chief)
+    callbacks = callbacks_lib.for_this_rank(callbacks, world.is_chief)
     cfg, trainer = agree(compile_for_training, model, cfg, world, data.steps_per_epoch,
                          callbacks_lib.has_batch_hooks(callbacks))
     trainer.callbacks = callbacks
@@ -262,7 +261,7 @@ def compile_for_training(model, cfg: Config, world: runtime.World, steps_per_epo
         optimizer.use_adasum(model, cfg, world)
     learning_rate = optimizer.LearningRate(cfg, info["lr"]) if info["lr"] is not None else None
     optimizer.wrap_train_step(model, learning_rate)
-    log.info("%s: loss %s; %s from %s, lr %s for one worker; %d steps per call", model.name, plan.loss,
+    log.info("%s: loss %s; %s from %s, lr %s for one worker; %d step(s) per call", model.name, plan.loss,
              info["class"], info["source"], "a schedule" if info["lr"] is None else f"{info['lr']:g}",
              plan.steps_per_execution)
     return cfg, Trainer(learning_rate, info, plan.loss, plan.steps_per_execution, plan.notes + notes, cfg)

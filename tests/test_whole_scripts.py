@@ -1,0 +1,128 @@
+"""The user's whole training script, keras.io-style, at 2 workers beside the same script in plain Keras:
+several fit() calls on one model (transfer learning, then fine-tuning), Keras callbacks, Sequence data."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import launch, run_worker_script, train
+
+pytestmark = pytest.mark.stacks
+
+
+def max_diff(a: str, b: str) -> float:
+    x, y = np.load(a), np.load(b)
+    assert len(x.files) == len(y.files) > 0
+    return max(float(np.abs(x[k] - y[k]).max()) for k in x.files)
+
+
+@pytest.fixture(scope="module")
+def plain_two_phases(tmp_path_factory):
+    return run_worker_script(1, None, "transfer_learning.py", "plain", tmp_path_factory.mktemp("plain"))
+
+
+@pytest.fixture(scope="module")
+def two_phases(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ours")
+    return {**run_worker_script(2, "gloo", "transfer_learning.py", "hvdtrain", out), "out": out}
+
+
+def test_fine_tuning_after_transfer_learning_trains_at_its_own_compiled_lr_as_plain_keras(
+        plain_two_phases, two_phases):
+    """Phase 2 recompiles with Adam(1e-4): it trains at 2e-4 (two workers), not phase 1's 2e-3, and
+    both phases together end where plain Keras ends on the global batch."""
+    assert two_phases["phase1"] == pytest.approx([2e-3] * 3) and two_phases["phase2"] == pytest.approx([2e-4] * 3)
+    assert max_diff(two_phases["weights"], plain_two_phases["weights"]) < 1e-5
+    phase2 = json.loads((two_phases["out"] / "fit-2" / "summary.json").read_text())
+    assert phase2["optimizer"]["lr_scaled"] == pytest.approx(2e-4) and phase2["epochs_run"] == 3
+    assert json.loads((two_phases["out"] / "summary.json").read_text())["optimizer"]["lr_scaled"] == \
+        pytest.approx(2e-3)
+
+
+def test_fine_tuning_in_its_own_output_dir_ends_with_the_same_weights(two_phases, tmp_path):
+    ours = run_worker_script(2, "gloo", "transfer_learning.py", "hvdtrain", tmp_path / "one", tmp_path / "two")
+    assert max_diff(ours["weights"], two_phases["weights"]) == 0
+    assert (tmp_path / "two" / "summary.json").exists() and not (tmp_path / "one" / "fit-2").exists()
+
+
+@pytest.mark.parametrize("kill,launcher", [("phase1", "gloo"), ("between", "mpirun"), ("phase2", "gloo")])
+def test_a_two_phase_script_killed_and_relaunched_ends_with_the_uninterrupted_weights(kill, launcher, two_phases,
+                                                                                      tmp_path):
+    """SIGKILL on every rank inside phase 1, between the phases, or inside phase 2; the same command
+    again finishes the job: a finished phase gives its final state back to the model, an interrupted
+    one resumes from its checkpoint. The weights are those of the uninterrupted script, bit for bit."""
+    script = ["tests/workers/transfer_learning.py", "hvdtrain", str(tmp_path)]
+    killed = launch(2, launcher, script, env={"KILL": kill})
+    assert killed.returncode != 0 and "RESULT" not in killed.stdout, killed.stdout[-3000:]
+    again = launch(2, launcher, script)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert ("already trained to epoch 3 of 3" in again.stdout) == (kill != "phase1")
+    assert max_diff(str(tmp_path / "weights.npz"), two_phases["weights"]) == 0
+
+
+def test_a_second_script_on_the_first_phases_output_dir_is_told_it_is_another_phase(two_phases, tmp_path):
+    """Phase 2 as a script of its own, run on phase 1's finished output dir: not "nothing to do" (the
+    base would never be fine-tuned), but one error naming what differs and what to do."""
+    shutil.copytree(two_phases["out"] / "checkpoints", tmp_path / "checkpoints")
+    shutil.copy(two_phases["out"] / "summary.json", tmp_path / "summary.json")
+    proc = launch(1, None, ["tests/workers/transfer_learning.py", "hvdtrain", str(tmp_path)],
+                  env={"SECOND_SCRIPT": "1"})
+    assert proc.returncode != 0
+    assert "was trained with 2 trainable weights where this model has 6" in proc.stdout, proc.stdout[-3000:]
+    assert "another phase of training? Each hvdtrain.fit of one script on the same output_dir trains in its own " \
+           "fit-N sub-directory" in proc.stdout
+    assert "nothing to do" not in proc.stdout
+
+
+# ---------------------------------------------------------------- callbacks
+
+@pytest.fixture(scope="module")
+def with_callbacks(tmp_path_factory):
+    plain_dir, our_dir = tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("ours")
+    plain = run_worker_script(1, None, "callbacks_script.py", "plain", plain_dir)
+    ours = run_worker_script(2, "gloo", "callbacks_script.py", "hvdtrain", our_dir)
+    return plain, ours, plain_dir, our_dir
+
+
+def test_reduce_lr_on_plateau_changes_the_rate_that_trains_as_in_plain_keras(with_callbacks):
+    """ReduceLROnPlateau halves the rate after epochs 2 and 3 on both; hvdtrain's per-step rate
+    follows it, so the weights end as plain Keras' on the global batch; summary.json's history
+    has the rate each epoch ran at."""
+    plain, ours, _, _ = with_callbacks
+    assert plain["rates"] == pytest.approx([0.1, 0.1, 0.05, 0.025]) and ours["rates"] == pytest.approx(plain["rates"])
+    assert ours["lr"] == pytest.approx(plain["lr"])
+    assert ours["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-5)
+    assert max_diff(ours["weights"], plain["weights"]) < 1e-5
+
+
+def test_a_per_batch_callback_sees_every_batch(with_callbacks):
+    plain, ours, _, _ = with_callbacks
+    assert plain["batches"] == ours["batches"] == 4 * 20  # hvdtrain's rank 0: its own 20 steps an epoch
+
+
+def test_file_writing_callbacks_write_once_from_rank_0(with_callbacks):
+    """CSVLogger: one file, every epoch once; ModelCheckpoint(save_best_only): the same epochs' files
+    as plain Keras; the user's own writer marked hvdtrain.on_rank0: a line per epoch, not two."""
+    _, _, plain_dir, our_dir = with_callbacks
+    rows = (our_dir / "log.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2", "3"]
+    assert sorted(p.name for p in our_dir.glob("best-*.weights.h5")) == \
+        sorted(p.name for p in plain_dir.glob("best-*.weights.h5"))
+    assert [l.split()[0] for l in (our_dir / "epochs.txt").read_text().splitlines()] == ["1", "2", "3", "4"]
+
+
+def test_backup_and_restore_is_refused_with_what_hvdtrain_does_instead():
+    import hvdtrain
+    import tensorflow as tf
+    from hvdtrain.config import UserError
+
+    with pytest.raises(UserError, match="BackupAndRestore is what hvdtrain does itself"):
+        hvdtrain.fit("mlp", "digits", epochs=1, callbacks=[tf.keras.callbacks.BackupAndRestore("/tmp/unused")])
+
+
+
+def test_callbacks_from_the_command_line_decide_alike_on_every_rank(out):
+    """--callbacks module:function: EarlyStopping stops both ranks at the same epoch (a rank going on
+    alone would hang in its allreduce)."""
+    summary = train(2, "mpi", out, "--callbacks", "userdata:stop_at_a_plateau", "--epochs", "6")
+    assert summary["epochs_run"] == 2 and len(set(summary["weights_sha256_by_rank"])) == 1

@@ -94,6 +94,12 @@ def variable_path(variable) -> str:
     return getattr(variable, "path", None) or variable.name
 
 
+def sequence_epoch_ends_before_training() -> int:
+    """How often Keras' fit calls a Sequence's on_epoch_end before the first epoch: Keras 3's epoch
+    iterator resets the PyDataset once first (trainers/epoch_iterator.py, reset()); Keras 2 never."""
+    return 1 if keras3() else 0
+
+
 def built_for(optimizer) -> list:
     """Keras 3: the variables an optimizer was built for, in the order `apply(grads)` takes them."""
     return optimizer._trainable_variables

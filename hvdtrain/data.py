@@ -135,8 +135,10 @@ def load(cfg: Config, world: World, source=None, validation=None, need_classes: 
     if callable(source) and not _is_dataset(source):
         source, user_shards = _call_data_function(source, cfg, world)
     if validation is None and isinstance(source, (tuple, list)) and len(source) == 2 \
-            and all(_is_dataset(d) for d in source):
+            and all(_is_dataset(d) or _is_sequence(d) for d in source):
         source, validation = source
+    if _is_sequence(source):
+        return _from_sequence(cfg, world, source, validation, need_classes)
     if _is_dataset(source):
         if validation is not None and not _is_dataset(validation):
             validation = _dataset_from_arrays(validation, name)
@@ -147,14 +149,90 @@ def load(cfg: Config, world: World, source=None, validation=None, need_classes: 
         if validation is None and cfg.val_split:
             x, y, xv, yv = _split(x, y, cfg.val_split)
         return _from_arrays(cfg, world, x, y, xv, yv)
-    raise UserError(f"--data {name}: expected a tf.data.Dataset (or a (train, val) pair of them), "
-                    f"or (x, y) arrays, got {type(source).__name__}")
+    raise UserError(f"--data {name}: expected a tf.data.Dataset or a keras.utils.Sequence (or a (train, val) "
+                    f"pair of them), or (x, y) arrays, got {type(source).__name__}")
 
 
 def _is_dataset(obj) -> bool:
     import tensorflow as tf
 
     return isinstance(obj, tf.data.Dataset)
+
+
+def _is_sequence(obj) -> bool:
+    """A keras.utils.Sequence (Keras 3: PyDataset, of which Sequence is another name)."""
+    import tensorflow as tf
+
+    return isinstance(obj, tf.keras.utils.Sequence)
+
+
+# ---------------------------------------------------------------- a keras.utils.Sequence (PyDataset)
+
+def _from_sequence(cfg: Config, world: World, seq, validation, need_classes: bool) -> Data:
+    """Each worker takes its own batches by index: the epoch's order of all batches (a permutation
+    drawn from (seed, epoch) when shuffling, as Keras' fit shuffles a Sequence's batches), then
+    every size-th from this rank's. Batches are read by __getitem__ only as training reaches them
+    (a resume skips indices, not data), and on_epoch_end runs after each epoch, as in Keras' fit;
+    a resumed run calls it for the epochs it skips, so a Sequence that reshuffles there does again."""
+    import tensorflow as tf
+
+    n = len(seq)
+    steps, notes = _agree_steps(cfg, world, runtime.gather((n - world.rank + world.size - 1) // world.size),
+                                1, n, unit="batches")
+    first = _as_batch(seq[0], "the Sequence")
+    spec = tf.nest.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), first)
+    ended, before = [0], compat.sequence_epoch_ends_before_training()  # on_epoch_end calls: made, and owed
+
+    def order(e):
+        return np.asarray(_permutation(n, _epoch_seed(cfg.seed, e), 0)) if cfg.shuffle else np.arange(n)
+
+    def batches(e, skip):
+        e, skip = int(e), int(skip)
+        while ended[0] < e + before:  # a resumed run: the epochs before it, ended as they were
+            seq.on_epoch_end()
+            ended[0] += 1
+        if hasattr(seq, "on_epoch_begin"):  # Keras 3's PyDataset
+            seq.on_epoch_begin()
+        mine = order(e)[world.rank::world.size][:steps]
+        for k in range(skip, steps):
+            item = _as_batch(seq[int(mine[k])], "the Sequence")
+            if k == steps - 1:  # Keras reads no further than the epoch's last batch: end it here
+                seq.on_epoch_end()
+                ended[0] += 1
+            yield item
+
+    def epoch(e, skip=0):
+        return tf.data.Dataset.from_generator(batches, output_signature=spec, args=(e, skip))
+
+    val = None
+    if validation is not None:
+        if not _is_sequence(validation):
+            raise UserError(f"--data {cfg.data}: with a Sequence for training, validation data must be a "
+                            f"Sequence too, got {type(validation).__name__}")
+        mine = range(world.rank, len(validation), world.size)
+        vspec = tf.nest.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)),
+                                      _as_batch(validation[0], "the validation Sequence"))
+        val = tf.data.Dataset.from_generator(
+            lambda: (_as_batch(validation[i], "the validation Sequence") for i in mine), output_signature=vspec)
+        val = val.apply(tf.data.experimental.assert_cardinality(len(mine)))
+    classes = None
+    if need_classes:
+        labels = [np.asarray(tf.nest.flatten(_as_batch(seq[i], "the Sequence")[1])[0]) for i in range(n)]
+        classes = labels[0].shape[1] if labels[0].ndim == 2 else int(max(l.max() for l in labels)) + 1
+    batch = len(tf.nest.flatten(first)[0])
+    return Data(epoch, val, steps, batch, spec, None, "batch", classes, notes=notes)
+
+
+def _as_batch(item, what: str):
+    """A Sequence's item as tf.data takes it: (x, y) or (x, y, w) as a tuple, arrays as numpy."""
+    import tensorflow as tf
+
+    if isinstance(item, list):
+        item = tuple(item)
+    if not isinstance(item, tuple) or len(item) not in (1, 2, 3):
+        raise UserError(f"{what}: __getitem__ must return (x, y) or (x, y, sample_weight), "
+                        f"got {type(item).__name__}")
+    return tf.nest.map_structure(np.asarray, item)
 
 
 def _call_data_function(fn, cfg: Config, world: World):

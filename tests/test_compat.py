@@ -167,3 +167,32 @@ def test_horovods_keras2_optimizer_internals_are_there():
     callback = tf.keras.callbacks.Callback()
     compat.take_logs_as_tensors(callback)
     assert callback._supports_tf_logs
+
+
+def test_sequence_epoch_ends_before_training_is_what_keras_fit_calls():
+    """Keras 3's fit resets a PyDataset (one on_epoch_end) before its first epoch; Keras 2's does not.
+    Each batch read records the on_epoch_end calls made by then (Keras may peek at a batch first)."""
+    import numpy as np
+    import tensorflow as tf
+
+    class Seq(tf.keras.utils.Sequence):
+        def __init__(self):
+            super().__init__()
+            self.ended, self.reads = 0, []
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            self.reads.append(self.ended)
+            return np.zeros((2, 1), "float32"), np.zeros((2, 1), "float32")
+
+        def on_epoch_end(self):
+            self.ended += 1
+
+    model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    seq = Seq()
+    model.fit(seq, epochs=2, verbose=0, shuffle=False)
+    before = compat.sequence_epoch_ends_before_training()
+    assert seq.reads[-4:] == [before, before, before + 1, before + 1] and seq.ended == 2 + before

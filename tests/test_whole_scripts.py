@@ -126,3 +126,18 @@ def test_callbacks_from_the_command_line_decide_alike_on_every_rank(out):
     alone would hang in its allreduce)."""
     summary = train(2, "mpi", out, "--callbacks", "userdata:stop_at_a_plateau", "--epochs", "6")
     assert summary["epochs_run"] == 2 and len(set(summary["weights_sha256_by_rank"])) == 1
+
+
+# ---------------------------------------------------------------- a keras.utils.Sequence
+
+def test_a_sequence_gives_each_worker_its_own_batches_and_ends_its_epochs_as_in_plain_keras(tmp_path):
+    """2 workers x batches of 32 by index equal plain Keras' batches of 64 from the same Sequence,
+    which reshuffles its samples in on_epoch_end: the weights match only if every batch is taken by
+    the right worker and on_epoch_end runs when Keras' fit runs it."""
+    plain = run_worker_script(1, None, "sequence_script.py", "plain", tmp_path / "plain")
+    ours = run_worker_script(2, "gloo", "sequence_script.py", "hvdtrain", tmp_path / "ours")
+    assert ours["epochs_ended"] == plain["epochs_ended"] >= 3
+    assert ours["val_accuracy"] == pytest.approx(plain["val_accuracy"], abs=1e-6)
+    assert max_diff(ours["weights"], plain["weights"]) < 1e-5
+    summary = json.loads((tmp_path / "ours" / "summary.json").read_text())
+    assert summary["data"]["sharding"] == "batch" and summary["steps_per_epoch"] == 20

@@ -55,6 +55,8 @@ class Config:
                                    "take from_logits from the model's output activation")
     metrics: Optional[tuple] = _f(None, "Keras metric names; default: the compiled metrics, else "
                                         "accuracy", nargs="*", item=str)
+    num_classes: Optional[int] = _f(None, "classes, for the built-in models and a model function that takes "
+                                          "num_classes; default: counted in the labels (one pass over the data)")
     class_weight: tuple = _f((), "each class's weight in the loss, Keras' fit(class_weight=): "
                                  "--class-weight 0=1 1=5 (YAML and hvdtrain.fit: {0: 1, 1: 5}); "
                                  "default: none", nargs="*", item=str, pairs=True)
@@ -137,7 +139,8 @@ class Config:
         """model_object/data_object: hvdtrain.fit() was handed a model or data object, and `model`
         or `data` only names it (for the output dir and the summary)."""
         for name in ("epochs", "batch_size", "synthetic_classes", "synthetic_samples",
-                     "keep_checkpoints", "backward_passes_per_step", "commit_every", "steps_per_execution"):
+                     "keep_checkpoints", "backward_passes_per_step", "commit_every", "steps_per_execution",
+                     "num_classes"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise UserError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
         if self.lr is not None and not self.lr > 0:

@@ -117,9 +117,10 @@ class DataContext:
         return shard(ds, self.rank, self.num_workers)[0]
 
 
-def load(cfg: Config, world: World, source=None, validation=None, need_classes: bool = False) -> Data:
+def load(cfg: Config, world: World, source=None, validation=None, need_classes: Optional[str] = None) -> Data:
     """This worker's Data from `source` (a --data string, a function, a Dataset or arrays; default
-    cfg.data). need_classes: the built-in models need the number of classes from the labels."""
+    cfg.data). need_classes: what needs the number of classes from the labels (a built-in model, a
+    model function that takes num_classes), or None."""
     source = cfg.data if source is None else source
     if isinstance(source, str):
         kind, _, arg = source.partition(":")
@@ -168,7 +169,7 @@ def _is_sequence(obj) -> bool:
 
 # ---------------------------------------------------------------- a keras.utils.Sequence (PyDataset)
 
-def _from_sequence(cfg: Config, world: World, seq, validation, need_classes: bool) -> Data:
+def _from_sequence(cfg: Config, world: World, seq, validation, need_classes: Optional[str]) -> Data:
     """Each worker takes its own batches by index: the epoch's order of all batches (a permutation
     drawn from (seed, epoch) when shuffling, as Keras' fit shuffles a Sequence's batches), then
     every size-th from this rank's. Batches are read by __getitem__ only as training reaches them
@@ -301,7 +302,7 @@ def _load_npz(cfg, path, need_classes):
     for key in ("x", "y"):
         if key not in arrays:
             raise UserError(f"--data npz:{path}: no array '{key}' (has: {', '.join(arrays) or 'none'})")
-    targets = (lambda y, what: _labels(y, what)) if need_classes else (lambda y, what: np.asarray(y))
+    targets = (lambda y, what: _labels(y, what, need_classes)) if need_classes else (lambda y, what: np.asarray(y))
     x, y = arrays["x"].astype(np.float32), targets(arrays["y"], f"npz:{path} y")
     if len(x) != len(y):
         raise UserError(f"--data npz:{path}: x has {len(x)} samples but y has {len(y)}")
@@ -310,9 +311,14 @@ def _load_npz(cfg, path, need_classes):
     return _split(x, y, _built_in_split(cfg))
 
 
-def _labels(y, what):
+def _labels(y, what, need: str = "the built-in model"):
     """Class indices: integers >= 0 (a float label like 2.5 or a -1 would train on garbage)."""
     y = np.asarray(y).reshape(-1)
+    if y.size and need.startswith("--model") and not np.issubdtype(y.dtype, np.integer) \
+            and np.any(y != np.round(y)):
+        raise UserError(f"{need} takes num_classes, which hvdtrain counts in the labels, but y is {y.dtype} "
+                        f"(regression targets?): drop num_classes from the function's parameters, or give it "
+                        f"with --num-classes N (hvdtrain.fit: num_classes=N)")
     if y.size and (not np.all(np.isfinite(y.astype(np.float64))) or np.any(y != np.round(y))):
         raise UserError(f"--data {what}: labels must be class indices (integers), got e.g. "
                         f"{y[np.flatnonzero(y != np.round(y))[:1]].tolist() or 'NaN'}")
@@ -713,9 +719,12 @@ def _count(ds, name: str) -> int:
         raise UserError(f"--data {name}: reading it failed ({e.message.splitlines()[0][:300]})") from None
 
 
-def _num_classes(ds, batched: bool, name: str) -> int:
-    """For the built-in models and functions that take num_classes: one-hot (or multi-hot) labels
-    say it in their last dimension; class indices by their largest value (one pass over my shard)."""
+def _num_classes(ds, batched: bool, name: str, need: str = "the built-in model") -> int:
+    """For the built-in models and functions that take num_classes (`need` says which): one-hot (or
+    multi-hot) labels say it in their last dimension; class indices by their largest value (one
+    pass over my shard, timed and said: --num-classes skips it)."""
+    import time
+
     import tensorflow as tf
 
     spec = ds.element_spec
@@ -725,12 +734,21 @@ def _num_classes(ds, batched: bool, name: str) -> int:
     label_rank = spec[1].shape.rank - (1 if batched else 0)
     if label_rank >= 1 and spec[1].shape[-1] is not None:
         return int(spec[1].shape[-1])
+    if not spec[1].dtype.is_integer and need.startswith("--model"):
+        raise UserError(f"{need} takes num_classes, which hvdtrain counts in the labels, but y is "
+                        f"{spec[1].dtype.name} (regression targets?): drop num_classes from the function's "
+                        f"parameters, or give it with --num-classes N (hvdtrain.fit: num_classes=N)")
     if not spec[1].dtype.is_integer:
         raise UserError(f"--data {name}: the built-in models classify, so y must be integer class "
                         f"indices (or one-hot rows), got {spec[1].dtype.name}; bring your own model "
                         f"(--model module:function) for regression")
+    t0 = time.perf_counter()
     top = int(ds.map(lambda *e: tf.cast(tf.reduce_max(e[1]), tf.int64)).reduce(np.int64(-1), tf.maximum))
-    return max(runtime.gather(top)) + 1
+    classes = max(runtime.gather(top)) + 1
+    runtime.log.info("num_classes for %s: %d, counted in one pass over the data (%.1f s); --num-classes %d "
+                     "(hvdtrain.fit: num_classes=%d) skips it", need, classes, time.perf_counter() - t0,
+                     classes, classes)
+    return classes
 
 
 def _from_pipeline(cfg: Config, world: World, name: str, train, val, user_shards: bool,
@@ -886,8 +904,9 @@ def unrepeatable(ds) -> Optional[str]:
     return None
 
 
-def _classes(need: bool, ds, batched: bool, name: str) -> Optional[int]:
-    return _num_classes(ds, batched, name) if need else None
+def _classes(need: Optional[str], ds, batched: bool, name: str) -> Optional[int]:
+    """num_classes, counted from the labels when `need` (what needs it) says so, else None."""
+    return _num_classes(ds, batched, name, need) if need else None
 
 
 def _peek_batch_size(ds) -> int:

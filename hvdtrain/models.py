@@ -21,13 +21,13 @@ from .data import resolve
 _FROM_LOGITS_LOSSES = ("sparse_categorical_crossentropy", "categorical_crossentropy", "binary_crossentropy")
 
 
-def needs_classes(name) -> bool:
-    """Does building this model need the number of classes from the data?"""
+def needs_classes(name) -> str | None:
+    """What needs the number of classes from the data to build this model (for the messages), or None."""
     if not isinstance(name, str):
-        return False
+        return None
     if name in BUILDERS:
-        return True
-    return "num_classes" in _parameters(resolve(name, "--model"))
+        return f"the built-in model {name}"
+    return f"--model {name}" if "num_classes" in _parameters(resolve(name, "--model")) else None
 
 
 def build(name: str, data):

@@ -313,3 +313,26 @@ def _stamp_rank(record) -> bool:
     """The rank at the time of the record: elastic resets renumber ranks."""
     record.rank, record.size = _world.rank, _world.size
     return True
+
+
+def report_errors_once():
+    """An hvdtrain error that ends a user's script (hvdtrain.fit raised it, the script did not catch
+    it) prints one line from rank 0, as `python -m hvdtrain` does, not a traceback from every rank.
+    It stays an exception: a script may catch it. The exit status is Python's for an uncaught one, 1."""
+    previous = sys.excepthook
+    if getattr(previous, "hvdtrain", False):
+        return
+
+    def hook(kind, value, tb):
+        if not issubclass(kind, (UserError, TrainingFailed)):
+            return previous(kind, value, tb)
+        if issubclass(kind, UserError) and not _world.is_chief:
+            import time
+
+            time.sleep(3)  # rank 0 speaks for all (the launcher ends the others once one exits)
+            return None
+        print(f"hvdtrain: error: {value}", file=sys.stderr, flush=True)
+        return None
+
+    hook.hvdtrain = True
+    sys.excepthook = hook

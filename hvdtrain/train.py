@@ -35,6 +35,7 @@ from .runtime import log, rank0_only
 def init(**config) -> runtime.World:
     """hvd.init(), pin this worker's GPU (or CPU threads), seed, precision: call it before building
     the model. Takes the same keys as hvdtrain.fit (threads, seed, precision, Horovod's knobs...)."""
+    runtime.report_errors_once()
     return start(config_lib.from_dict(config).validate(model_object=True, data_object=True))
 
 
@@ -50,6 +51,7 @@ def fit(model, data, validation_data=None, callbacks=None, **config) -> dict:
         the learning rate trains.
     config: any of `python -m hvdtrain --help`'s fields (epochs=5, batch_size=64, output_dir=...).
     """
+    runtime.report_errors_once()
     for key in ("model", "data", "config"):
         if key in config:
             raise UserError(f"hvdtrain.fit: pass {key} positionally, not as a config key")
@@ -130,7 +132,7 @@ def run(cfg: Config, model=None, data=None, validation_data=None, callbacks=None
         _say_finished(cfg, done, "nothing to do")
         return done
 
-    need_classes = model is None and models.needs_classes(cfg.model)
+    need_classes = models.needs_classes(cfg.model) if model is None and cfg.num_classes is None else None
     shard = functools.partial(load_data, cfg, source=data, validation=validation_data, need_classes=need_classes)
     if elastic:  # here the data only give the model its shapes; every elastic round shards them anew
         with runtime.alone():
@@ -210,9 +212,11 @@ def run(cfg: Config, model=None, data=None, validation_data=None, callbacks=None
 
 
 def load_data(cfg: Config, world: runtime.World, source=None, validation=None,
-              need_classes=False) -> data_lib.Data:
+              need_classes=None) -> data_lib.Data:
     """This worker's shard, in whole updates (a multiple of backward_passes_per_step steps)."""
     data = data_lib.load(cfg, world, source, validation, need_classes)
+    if cfg.num_classes is not None:
+        data.num_classes = cfg.num_classes
     data.steps_per_epoch -= data.steps_per_epoch % cfg.backward_passes_per_step
     if data.steps_per_epoch == 0:
         raise UserError(f"--backward-passes-per-step {cfg.backward_passes_per_step} is more than the "

@@ -45,6 +45,12 @@ CASES = {
                                       "step 1: ValueError: Invalid input shape for input Tensor" if KERAS3 else
                                       'step 1: ValueError: Input 0 of layer "dense" is incompatible with the '
                                       'layer: expected min_ndim=2, found ndim=1'),
+    # the user's function declares num_classes: not "the built-in models classify"
+    "a model function taking num_classes over float targets": (
+        ["--model", "user_models:regression_with_classes", "--data", "user_data:diabetes"],
+        "--model user_models:regression_with_classes takes num_classes, which hvdtrain counts in the labels, but "
+        "y is float32 (regression targets?): drop num_classes from the function's parameters, or give it with "
+        "--num-classes N"),
     # it is evaluate that fails, after the first epoch trained: not "epoch 2, step 1"
     "validation data of another shape": (["--model", "user_models:regression", "--data",
                                           "user_data:diabetes_val_of_8_features"],

@@ -1,6 +1,7 @@
 """The user's whole training script, keras.io-style, at 2 workers beside the same script in plain Keras:
 several fit() calls on one model (transfer learning, then fine-tuning), Keras callbacks, Sequence data."""
 import json
+import re
 import shutil
 
 import numpy as np
@@ -65,12 +66,14 @@ def test_a_second_script_on_the_first_phases_output_dir_is_told_it_is_another_ph
     base would never be fine-tuned), but one error naming what differs and what to do."""
     shutil.copytree(two_phases["out"] / "checkpoints", tmp_path / "checkpoints")
     shutil.copy(two_phases["out"] / "summary.json", tmp_path / "summary.json")
-    proc = launch(1, None, ["tests/workers/transfer_learning.py", "hvdtrain", str(tmp_path)],
+    proc = launch(2, "gloo", ["tests/workers/transfer_learning.py", "hvdtrain", str(tmp_path)],
                   env={"SECOND_SCRIPT": "1"})
     assert proc.returncode != 0
-    assert "was trained with 2 trainable weights where this model has 6" in proc.stdout, proc.stdout[-3000:]
+    ours = [l for l in proc.stdout.splitlines() if "hvdtrain: error:" in l]
+    assert len(ours) == 1 and not re.search(r"^\[\d\]<std(err|out)>:Traceback", proc.stdout, re.M), proc.stdout[-3000:]
+    assert "was trained with 2 trainable weights where this model has 6" in ours[0]
     assert "another phase of training? Each hvdtrain.fit of one script on the same output_dir trains in its own " \
-           "fit-N sub-directory" in proc.stdout
+           "fit-N sub-directory" in ours[0]
     assert "nothing to do" not in proc.stdout
 
 
@@ -141,3 +144,20 @@ def test_a_sequence_gives_each_worker_its_own_batches_and_ends_its_epochs_as_in_
     assert max_diff(ours["weights"], plain["weights"]) < 1e-5
     summary = json.loads((tmp_path / "ours" / "summary.json").read_text())
     assert summary["data"]["sharding"] == "batch" and summary["steps_per_epoch"] == 20
+
+
+# ---------------------------------------------------------------- num_classes
+
+def test_counting_num_classes_is_said_with_its_time_and_num_classes_skips_it(tmp_path):
+    """A model function that takes num_classes costs one pass over the labels: one line says so, with
+    its time; --num-classes gives it instead (here to a regression builder that declares it)."""
+    counted = launch(1, None, ["-m", "hvdtrain", "--model", "userdata:tiny_model", "--data", "userdata:blobs",
+                               "--epochs", "1", "--output-dir", str(tmp_path / "a"), "--verbose", "0"])
+    assert counted.returncode == 0, counted.stdout[-3000:]
+    assert re.search(r"num_classes for --model userdata:tiny_model: 2, counted in one pass over the data "
+                     r"\(\d+\.\d s\); --num-classes 2 \(hvdtrain.fit: num_classes=2\) skips it", counted.stdout)
+    given = launch(1, None, ["-m", "hvdtrain", "--model", "user_models:regression_with_classes", "--data",
+                             "user_data:diabetes", "--num-classes", "1", "--epochs", "1",
+                             "--output-dir", str(tmp_path / "b"), "--verbose", "0"])
+    assert given.returncode == 0, given.stdout[-3000:]
+    assert "counted in one pass" not in given.stdout

@@ -423,6 +423,52 @@ def stacks(args, out: Path) -> dict:
     return {"workers": n, "controller": _controller(args), "rows": rows}
 
 
+# ---------------------------------------------------------------- a user's per-batch callback
+
+def noop_per_batch_callback():
+    """--callbacks hvdtrain.bench:noop_per_batch_callback: a Keras callback whose per-batch hook does nothing."""
+    import tensorflow as tf
+
+    class NoOp(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    return [NoOp()]
+
+
+CALLBACK_RUNS = {  # what each run adds to the section's flags
+    "default": [],
+    "spe-1": ["--steps-per-execution", "1"],  # the steps per call a per-batch callback brings, alone
+    "per-batch": ["--callbacks", "hvdtrain.bench:noop_per_batch_callback"],
+}
+
+
+def callbacks_cost(args, out: Path) -> dict:
+    """What a user's no-op per-batch callback costs: hvdtrain then runs 1 step per call, so that Keras
+    calls it at every step as plain Keras does. Three runs interleaved (default, 1 step per call
+    alone, the callback), at the most workers; the ratios of each round's runs to its default run
+    say how much of the cost is the steps per call and how much the hook itself."""
+    import numpy as np
+
+    n, rows = max(args.workers), []
+    for model in args.checkpoint_models:
+        size, steps, flags = _sized(args, model)
+        runs = {k: [] for k in CALLBACK_RUNS}
+        for rep in range(args.repeats):
+            for kind, extra in CALLBACK_RUNS.items():
+                s = _train(_python(n, _controller(args), args.hosts), out / f"callbacks-{model}-{kind}-{rep}",
+                           [*flags, *extra], args.timeout)
+                runs[kind].append(s["samples_per_sec_total"])
+                say(f"callbacks {model} {kind}: {runs[kind][-1]:.1f} samples/s ({s['steps_per_execution']} step(s) "
+                    f"per call)")
+        ratios = {k: [a / b for a, b in zip(runs[k], runs["default"])] for k in ("spe-1", "per-batch")}
+        rows.append({"model": model, "image_size": size, "steps_per_epoch": steps, "samples_per_sec": runs,
+                     "ratios_to_default": ratios,
+                     "hook_alone": [a / b for a, b in zip(runs["per-batch"], runs["spe-1"])],
+                     "median": {k: float(np.median(v)) for k, v in ratios.items()}})
+    return {"workers": n, "controller": _controller(args), "rows": rows}
+
+
 # ---------------------------------------------------------------- start-up on a user's own files
 
 def startup(args, out: Path) -> dict:
@@ -642,6 +688,13 @@ def report(results: dict) -> str:
             lines.append(f"  {r['model']:9} hook {_spread(r['on_off_ratios'])}  step {r['step_s'] * 1000:.1f} ms"
                          f"  save {r['save_s_median'] * 1000:.0f} ms  cost {r['cost_at_default']:.2%}"
                          f" (hook {r['hook_cost']:.2%}, saves {r['save_cost']:.2%})")
+    if "callbacks" in results:
+        cb = results["callbacks"]
+        lines.append(f"== a no-op per-batch callback ({cb['workers']} workers, {cb['controller']}): throughput against "
+                     f"the defaults, min/median/max of {len(cb['rows'][0]['hook_alone'])} interleaved rounds")
+        for r in cb["rows"]:
+            lines.append(f"  {r['model']:9} 1 step per call {_spread(r['ratios_to_default']['spe-1'])}  the callback "
+                         f"{_spread(r['ratios_to_default']['per-batch'])}  (its hook alone {_spread(r['hook_alone'])})")
     if "sync_vs_async" in results:
         lines.append(sync_vs_async.table(results["sync_vs_async"]))
     return "\n".join(lines)
@@ -663,7 +716,7 @@ def parser():
     p.add_argument("--min-bytes", type=int, default=4 << 10)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--sections", type=lambda s: s.split(","), default=["allreduce", "scaling", "levers", "baseline", "recipe", "startup",
-                                                                 "checkpoint", "sync-vs-async"])
+                                                                 "checkpoint", "callbacks", "sync-vs-async"])
     p.add_argument("--records", type=int, default=200_000, help="startup: records in the user's own files")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every timed section")
     p.add_argument("--lever-models", type=lambda s: s.split(","), default=["resnet50", "mlp"],
@@ -671,7 +724,7 @@ def parser():
     p.add_argument("--levers", type=lambda s: s.split(","),
                    help=f"levers: these instead of each model's own ({', '.join(LEVERS)})")
     p.add_argument("--checkpoint-models", type=lambda s: s.split(","), default=["mlp", "cnn", "resnet50"],
-                   help="recipe, checkpoint: the built-in models, each at its size (MODEL_SIZES)")
+                   help="recipe, checkpoint, callbacks, stacks: the built-in models, each at its size (MODEL_SIZES)")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--study-tasks", type=lambda s: s.split(","), default=["cnn", "wide"],
@@ -723,6 +776,8 @@ def main(argv) -> int:
         results["checkpoint"] = checkpoint_cost(args, out)
     if "stacks" in args.sections:
         results["stacks"] = stacks(args, out)
+    if "callbacks" in args.sections:
+        results["callbacks"] = callbacks_cost(args, out)
     if "sync-vs-async" in args.sections:
         results["sync_vs_async"] = sync_vs_async.study(
             args, out, lambda python, run_dir, flags: _train(python, run_dir, flags, args.timeout),

@@ -134,3 +134,15 @@ def test_bench_compares_this_stack_with_another_venvs_pair_by_pair(tmp_path):
     assert row["model"] == "mlp" and len(row["ratios"]) == 1 and row["ratios"][0] > 0
     assert row["stacks"]["this"] == row["stacks"]["other"] and row["stacks"]["this"]["stack"] in ("keras2", "keras3")
     assert f"== {row['stacks']['this']['stack']} (TensorFlow" in text
+
+
+def test_bench_prices_a_no_op_per_batch_callback_against_the_defaults_and_one_step_per_call(tmp_path):
+    text, res = _bench(tmp_path, "--controllers", "gloo", "--sections", "callbacks", "--steps", "1",
+                       "--repeats", "1", "--checkpoint-models", "mlp")
+    (row,) = res["callbacks"]["rows"]
+    assert row["model"] == "mlp" and set(row["samples_per_sec"]) == {"default", "spe-1", "per-batch"}
+    assert len(row["hook_alone"]) == 1 and row["ratios_to_default"]["per-batch"][0] > 0
+    steps = {k: json.loads((tmp_path / f"callbacks-mlp-{k}-0" / "summary.json").read_text())["steps_per_execution"]
+             for k in row["samples_per_sec"]}
+    assert steps == {"default": 10, "spe-1": 1, "per-batch": 1}  # the callback brings 1 step per call
+    assert "bench: callbacks mlp per-batch" in text and "== a no-op per-batch callback" in text

@@ -146,6 +146,21 @@ def test_a_sequence_gives_each_worker_its_own_batches_and_ends_its_epochs_as_in_
     assert summary["data"]["sharding"] == "batch" and summary["steps_per_epoch"] == 20
 
 
+def test_a_shuffled_sequence_killed_inside_an_epoch_resumes_to_the_same_weights(tmp_path):
+    """hvdtrain's seeded order of a Sequence's batches, and the Sequence's own reshuffling in
+    on_epoch_end, come back after a crash: killed at step 8 of epoch 2 (a step checkpoint at 5), the
+    same command resumes at step 6 and ends with the uninterrupted run's weights, bit for bit."""
+    script = ["tests/workers/sequence_script.py", "hvdtrain"]
+    proc = launch(2, "gloo", [*script, str(tmp_path / "whole")], env={"SHUFFLE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    killed = launch(2, "gloo", [*script, str(tmp_path / "killed")], env={"SHUFFLE": "1", "KILL": "1"})
+    assert killed.returncode != 0 and "RESULT" not in killed.stdout
+    again = launch(2, "gloo", [*script, str(tmp_path / "killed")], env={"SHUFFLE": "1"})
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert re.search(r"resumed from \S+ckpt-1-step-5 at epoch 1, step 5", again.stdout), again.stdout[-3000:]
+    assert max_diff(str(tmp_path / "killed" / "weights.npz"), str(tmp_path / "whole" / "weights.npz")) == 0
+
+
 # ---------------------------------------------------------------- num_classes
 
 def test_counting_num_classes_is_said_with_its_time_and_num_classes_skips_it(tmp_path):

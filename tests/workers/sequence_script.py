@@ -6,10 +6,13 @@ on_epoch_end by the Sequence's own seeded generator. Run two ways:
 
 Two workers' batches i and i+1 of 32 are plain Keras' batch of 64 (the same permutation of the
 samples), so the weights match when each worker takes its own batches by index and on_epoch_end runs
-after every epoch. Rank 0 writes OUT/weights.npz and prints RESULT.
+after every epoch. SHUFFLE=1 lets hvdtrain shuffle the batches; KILL=1 kills every rank (SIGKILL) at
+the 8th step of the second epoch, with a step checkpoint every 5 steps. Rank 0 writes OUT/weights.npz
+and prints RESULT.
 """
 import json
 import os
+import signal
 import sys
 
 import hvdtrain
@@ -55,8 +58,17 @@ if world is None:
     model.optimizer.learning_rate.assign(0.1)  # the rate hvdtrain scales to at 2 workers
     history = model.fit(train, validation_data=val, epochs=EPOCHS, shuffle=False, verbose=0).history
 else:
-    history = hvdtrain.fit(model, train, validation_data=val, epochs=EPOCHS, shuffle=False, warmup_epochs=0,
-                           output_dir=out, verbose=0, tensorboard=False)["history"]
+    class Kill(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == 1 and batch == 7:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    history = hvdtrain.fit(model, train, validation_data=val, epochs=EPOCHS, shuffle=bool(os.environ.get("SHUFFLE")),
+                           warmup_epochs=0, output_dir=out, verbose=0, tensorboard=False, checkpoint_every_steps=5,
+                           callbacks=[Kill()] if os.environ.get("KILL") else [])["history"]
 if world is None or world.is_chief:
     os.makedirs(out, exist_ok=True)
     np.savez(os.path.join(out, "weights.npz"), *model.get_weights())

@@ -52,6 +52,7 @@ class World:
 
 
 _world = World(rank=launcher_rank())
+_started_with: dict = {}  # what the first init() applied: threads, Horovod's knobs
 
 
 def world() -> World:
@@ -112,9 +113,16 @@ def init(threads: int = 0, horovod_env: dict | None = None) -> World:
 
     horovod_env: Horovod's knobs (HOROVOD_TIMELINE, HOROVOD_FUSION_THRESHOLD, ...), read by hvd.init().
     """
-    global _world
+    global _world, _started_with
+    asked = {**({"threads": threads} if threads else {}), **(horovod_env or {})}
     if started():
+        differ = [f"{k}={v}" for k, v in asked.items() if _started_with.get(k) != v]
+        if differ:  # hvd.init() has read them: they cannot apply now
+            raise UserError(f"hvdtrain.fit: {', '.join(differ)} cannot apply: the runtime (hvd.init, this worker's "
+                            f"threads, Horovod's knobs) started in hvdtrain.init(), or an earlier fit, without "
+                            f"{'it' if len(differ) == 1 else 'them'}; give runtime settings to hvdtrain.init()")
         return _world
+    _started_with = asked
     os.environ.update(horovod_env or {})
     set_fast_defaults()
     import horovod.tensorflow as hvd

@@ -298,3 +298,23 @@ def test_a_text_model_with_textvectorization_trains_with_rank0s_vocabulary_on_ev
     assert _same_weights_on_every_rank(s)  # the vocabulary is among the weights
     assert s["metrics"]["val_accuracy"] > 0.9, s["metrics"]
     assert (out / "model.keras").is_file()
+
+
+def test_runtime_settings_given_to_fit_after_init_are_refused_and_the_rest_apply(tmp_path):
+    """hvd.init() reads the threads and Horovod's knobs once: fit(threads=...) after hvdtrain.init() says
+    so in one line instead of dropping them; the same value, or a training setting, goes through."""
+    script = (
+        "import hvdtrain\n"
+        "hvdtrain.init(threads=1)\n"
+        "try:\n"
+        f"    hvdtrain.fit('mlp', 'digits', epochs=1, threads=2, fusion_threshold_mb=8, output_dir={str(tmp_path / 'a')!r})\n"
+        "except hvdtrain.UserError as e:\n"
+        "    print('REFUSED', e)\n"
+        f"s = hvdtrain.fit('mlp', 'digits', epochs=1, threads=1, seed=7, output_dir={str(tmp_path / 'b')!r}, verbose=0)\n"
+        "print('TRAINED', s['config']['seed'])\n")
+    proc = launch(1, None, ["-c", script])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert ("REFUSED hvdtrain.fit: threads=2, HOROVOD_FUSION_THRESHOLD=8388608 cannot apply: the runtime (hvd.init, "
+            "this worker's threads, Horovod's knobs) started in hvdtrain.init(), or an earlier fit, without them; "
+            "give runtime settings to hvdtrain.init()") in proc.stdout, proc.stdout[-3000:]
+    assert "TRAINED 7" in proc.stdout and not (tmp_path / "a").exists()

@@ -7,6 +7,7 @@ import sys
 import time
 
 from .config import UserError
+from .preemption import EXIT_STATUS, Preempted
 
 COMMANDS = {
     "doctor": "hvdtrain.doctor",
@@ -47,6 +48,11 @@ def main(argv=None):
             time.sleep(10)
         print(f"hvdtrain: error: {e}", file=sys.stderr, flush=True)
         return 1
+    except Preempted as e:
+        if runtime.world().rank != 0:
+            time.sleep(2)  # rank 0 speaks for all
+        runtime.say(f"hvdtrain: {e}", file=sys.stderr)
+        return EXIT_STATUS
     except KeyboardInterrupt:
         return 130
 

@@ -41,6 +41,7 @@ class Checkpoints:
         self.resumed_from = None  # the meta of the checkpoint this run resumed from
         self.ranks = None  # on resume: every rank's own state, as saved (see gather_per_rank_state)
         self.save_seconds = []  # what each save cost this rank (bench's checkpoint section reads rank 0's)
+        self.last_saved = None  # (epoch, step) of the last save
 
     def find(self) -> str | None:
         """The checkpoint to resume from: --resume, else the latest in the run's checkpoint dir."""
@@ -143,6 +144,7 @@ class Checkpoints:
         if runtime.world().is_chief:
             self._write(epoch, step, ranks)
         self.save_seconds.append(time.perf_counter() - t0)
+        self.last_saved = (epoch, step)
 
     def _write(self, epoch: int, step: int, ranks):
         """CheckpointManager's steps (write the files, then the index atomically, then drop the oldest)

@@ -117,6 +117,10 @@ class Config:
     early_stopping_patience: int = _f(0, "stop after N epochs without improvement of monitor (0: off)")
     monitor: str = _f("val_loss", "metric for early stopping and best-model keeping")
     keep_best: bool = _f(True, "save output_dir/best.weights.h5 whenever monitor improves (rank 0)")
+    preemption_signals: tuple = _f(("TERM",), "signals that stop every worker at the same next step, after a "
+                                              "step checkpoint, with exit status 75 (the same command resumes); "
+                                              "e.g. TERM USR1 (Slurm's --signal=USR1@120); none: off",
+                                   nargs="*", item=str)
     deterministic: bool = _f(True, "deterministic TensorFlow ops: same seed, same weights, bit for bit")
     # Horovod knobs
     horovod_timeline: Optional[str] = _f(None, "write Horovod's Chrome-trace timeline here (rank 0)")
@@ -193,6 +197,12 @@ class Config:
             raise UserError(f"--resume {self.resume!r}: no such checkpoint")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise UserError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        import signal
+
+        for name in self.preemption_signals:
+            if name.upper() in ("KILL", "STOP") or not isinstance(getattr(signal, f"SIG{name}", None), signal.Signals):
+                raise UserError(f"--preemption-signals: {name!r} is not a signal a process can handle; give names "
+                                f"without SIG, e.g. TERM USR1")
         if self.callbacks is not None and not _is_module_ref(self.callbacks):
             raise UserError(f"--callbacks takes module:function (a function returning a list of Keras callbacks), "
                             f"got {self.callbacks!r}")

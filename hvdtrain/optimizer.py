@@ -13,7 +13,7 @@ import math
 import weakref
 from dataclasses import dataclass
 
-from . import compat, runtime
+from . import compat, preemption, runtime
 from .config import DEFAULT_LR, DEFAULT_OPTIMIZER, Config, UserError
 
 
@@ -175,16 +175,16 @@ def _distributed_keras3(opt, cfg: Config):
     if cfg.backward_passes_per_step > 1:
         target = config["inner_optimizer"]["config"] if "inner_optimizer" in config else config
         target["gradient_accumulation_steps"] = cfg.backward_passes_per_step
-    reduce = compat.allreduce_gradients_fn(hvd.Adasum if cfg.reduction == "adasum" else hvd.Average,
-                                           _compression(cfg), cfg.sparse_as_dense, cfg.allreduce_groups)
+    reduce = preemption.flag().along_with(compat.allreduce_gradients_fn(
+        hvd.Adasum if cfg.reduction == "adasum" else hvd.Average, _compression(cfg), cfg.sparse_as_dense,
+        cfg.allreduce_groups))
     base = type(opt)
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         variables = list(trainable_variables if trainable_variables is not None else compat.built_for(self))
         # traced as written: no AutoGraph over Horovod's Python (see _allreduce_traced_as_written)
-        fn = reduce if tf.executing_eagerly() else getattr(reduce, "python_function", reduce)
-        return base.apply(self, fn(grads, variables), trainable_variables)
+        return base.apply(self, reduce(grads, variables), trainable_variables)
 
     cls = type(f"Distributed{base.__name__}", (base,), {"apply": apply, "user_class": base,
                                                          "__module__": __name__})
@@ -198,8 +198,8 @@ def _allreduce_traced_as_written(opt):
     conditions are tf.cond already), so traced as written it builds the same ops, without the cost."""
     import tensorflow as tf
 
-    compat.set_horovod_allreduce_grads(
-        opt, tf.function(compat.horovod_allreduce_grads(opt).python_function, autograph=False))
+    reduce = preemption.flag().along_with(compat.horovod_allreduce_grads(opt).python_function)
+    compat.set_horovod_allreduce_grads(opt, tf.function(reduce, autograph=False))
 
 
 def _reduce_in_apply_too(opt):

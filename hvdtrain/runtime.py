@@ -332,6 +332,13 @@ def report_errors_once():
         return
 
     def hook(kind, value, tb):
+        from .preemption import EXIT_STATUS, Preempted
+
+        if issubclass(kind, Preempted):  # the status a scheduler's requeue or a relaunch loop looks for
+            if _world.is_chief:
+                print(f"hvdtrain: {value}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(EXIT_STATUS)
         if not issubclass(kind, (UserError, TrainingFailed)):
             return previous(kind, value, tb)
         if issubclass(kind, UserError) and not _world.is_chief:

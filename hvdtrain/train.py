@@ -22,7 +22,7 @@ import sys
 import time
 
 from . import callbacks as callbacks_lib
-from . import checkpoint, compat, models, optimizer, runtime
+from . import checkpoint, compat, models, optimizer, preemption, runtime
 from . import config as config_lib
 from . import data as data_lib
 from .checkpoint import Checkpoints
@@ -118,6 +118,13 @@ def run(cfg: Config, model=None, data=None, validation_data=None, callbacks=None
                         "--host-discovery-script SCRIPT python -m hvdtrain ... (see docs/reliability.md)")
     callbacks = callbacks_lib.users(callbacks, cfg)
     world = start(cfg)
+    # from here on, a scheduler's SIGTERM stops every rank at one step, after a checkpoint (preemption.py)
+    with preemption.handling(() if elastic else cfg.preemption_signals):
+        return _run_started(cfg, world, elastic, t0, model, data, validation_data, callbacks, notes)
+
+
+def _run_started(cfg: Config, world: runtime.World, elastic: bool, t0: float, model, data, validation_data,
+                 callbacks: list, notes) -> dict:
     runtime.setup_logging(os.path.join(cfg.run_dir, "logs", f"rank{world.rank}.log")
                           if cfg.worker_logs else None)
     host = socket.gethostname()
@@ -168,6 +175,9 @@ def run(cfg: Config, model=None, data=None, validation_data=None, callbacks=None
             history, epoch_end = fit_fixed(cfg, model, data, world, ckpts, first_epoch, trainer, first_step)
     except optimizer.NonFiniteUpdate as e:
         raise UserError(str(e)) from None
+    except preemption.Preempted as e:
+        log.info("%s", e, extra=runtime.FILE_ONLY)
+        raise
 
     world = runtime.world()
     per_worker = runtime.gather(epoch_end.samples_per_sec())
@@ -461,6 +471,8 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
     saver = callbacks_lib.checkpoints(cfg, ckpts, data.steps_per_epoch, first_epoch, first_step,
                                       trainer.steps_per_execution)
     callbacks = keras_callbacks(cfg, data, world, trainer, saver, epoch_end, progress, extra_callbacks)
+    if cfg.preemption_signals and not cfg.elastic and preemption.usable(world):
+        callbacks.append(preemption.watcher(ckpts, data.steps_per_epoch, first_epoch, first_step))
     iteration = int(model.optimizer.iterations.numpy()) - first_step  # at the start of first_epoch
     if trainer.learning_rate is not None:
         trainer.learning_rate.start(optimizer.lr_multiplier(cfg, world), first_epoch, iteration,
@@ -530,7 +542,7 @@ def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch
     iteration = int(model.optimizer.iterations.numpy()) - first_step
     try:
         return fit_on_shard(cfg, model, data, world, ckpts, first_epoch, trainer, first_step=first_step)
-    except (optimizer.NonFiniteUpdate, UserError, KeyboardInterrupt):
+    except (optimizer.NonFiniteUpdate, UserError, KeyboardInterrupt, preemption.Preempted):
         raise
     except Exception as e:
         done = int(model.optimizer.iterations.numpy()) - iteration

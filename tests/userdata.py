@@ -59,3 +59,55 @@ def hangs_on_rank_1(input_shape, num_classes):
 def stop_at_a_plateau():
     """--callbacks: Keras' EarlyStopping on the training loss, which improves by no 100 in an epoch."""
     return [tf.keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=100.0)]
+
+
+def signal_self():
+    """--callbacks: SIGNAL_AT=train_begin|epoch_end sends SIGTERM to this worker (on rank SIGNAL_RANK,
+    default 1) at that point of epoch 1, as a scheduler's signal could land there; the epoch_end one
+    lands just before that epoch's checkpoint is written."""
+    import signal
+
+    at, rank = os.environ.get("SIGNAL_AT"), os.environ.get("SIGNAL_RANK", "1")
+    mine = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == rank
+
+    class SignalSelf(tf.keras.callbacks.Callback):
+        epoch = 0
+
+        def hit(self, where):
+            if at == where and mine and self.epoch == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_train_begin(self, logs=None):
+            self.hit("train_begin")
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.hit("epoch_end")
+
+    return [SignalSelf()]
+
+
+def blobs_signalling_in_validation():
+    """blobs, whose validation pipeline sends SIGTERM to this worker (rank SIGNAL_RANK) as the first
+    validation reads its first element, when SIGNAL_AT=validation."""
+    import signal
+
+    train, val = blobs()
+    at, rank = os.environ.get("SIGNAL_AT"), os.environ.get("SIGNAL_RANK", "1")
+    mine = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == rank
+    sent = []
+
+    def maybe_signal(x):
+        if at == "validation" and mine and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return x
+
+    def element(x, y):
+        x = tf.numpy_function(maybe_signal, [x], tf.float32)
+        x.set_shape([4])
+        return x, y
+
+    return train, val.map(element)

@@ -441,32 +441,48 @@ CALLBACK_RUNS = {  # what each run adds to the section's flags
     "spe-1": ["--steps-per-execution", "1"],  # the steps per call a per-batch callback brings, alone
     "per-batch": ["--callbacks", "hvdtrain.bench:noop_per_batch_callback"],
 }
+PREEMPTION_RUNS = {
+    "default": [],  # SIGTERM handled: the stop flag rides with every allreduce of the gradients
+    "off": ["--preemption-signals"],
+}
 
 
-def callbacks_cost(args, out: Path) -> dict:
-    """What a user's no-op per-batch callback costs: hvdtrain then runs 1 step per call, so that Keras
-    calls it at every step as plain Keras does. Three runs interleaved (default, 1 step per call
-    alone, the callback), at the most workers; the ratios of each round's runs to its default run
-    say how much of the cost is the steps per call and how much the hook itself."""
+def _against_default(args, out: Path, section: str, kinds: dict) -> dict:
+    """The same run with each kind's flags, interleaved round by round at the most workers; every kind's
+    throughput against the default run of its round."""
     import numpy as np
 
     n, rows = max(args.workers), []
     for model in args.checkpoint_models:
         size, steps, flags = _sized(args, model)
-        runs = {k: [] for k in CALLBACK_RUNS}
+        runs = {k: [] for k in kinds}
         for rep in range(args.repeats):
-            for kind, extra in CALLBACK_RUNS.items():
-                s = _train(_python(n, _controller(args), args.hosts), out / f"callbacks-{model}-{kind}-{rep}",
+            for kind, extra in kinds.items():
+                s = _train(_python(n, _controller(args), args.hosts), out / f"{section}-{model}-{kind}-{rep}",
                            [*flags, *extra], args.timeout)
                 runs[kind].append(s["samples_per_sec_total"])
-                say(f"callbacks {model} {kind}: {runs[kind][-1]:.1f} samples/s ({s['steps_per_execution']} step(s) "
+                say(f"{section} {model} {kind}: {runs[kind][-1]:.1f} samples/s ({s['steps_per_execution']} step(s) "
                     f"per call)")
-        ratios = {k: [a / b for a, b in zip(runs[k], runs["default"])] for k in ("spe-1", "per-batch")}
+        ratios = {k: [a / b for a, b in zip(runs[k], runs["default"])] for k in kinds if k != "default"}
         rows.append({"model": model, "image_size": size, "steps_per_epoch": steps, "samples_per_sec": runs,
-                     "ratios_to_default": ratios,
-                     "hook_alone": [a / b for a, b in zip(runs["per-batch"], runs["spe-1"])],
-                     "median": {k: float(np.median(v)) for k, v in ratios.items()}})
+                     "ratios_to_default": ratios, "median": {k: float(np.median(v)) for k, v in ratios.items()}})
     return {"workers": n, "controller": _controller(args), "rows": rows}
+
+
+def callbacks_cost(args, out: Path) -> dict:
+    """What a user's no-op per-batch callback costs: hvdtrain then runs 1 step per call, so that Keras
+    calls it at every step as plain Keras does. Three runs interleaved (default, 1 step per call
+    alone, the callback); their ratios say how much is the steps per call and how much the hook."""
+    result = _against_default(args, out, "callbacks", CALLBACK_RUNS)
+    for r in result["rows"]:
+        r["hook_alone"] = [a / b for a, b in zip(r["samples_per_sec"]["per-batch"], r["samples_per_sec"]["spe-1"])]
+    return result
+
+
+def preemption_cost(args, out: Path) -> dict:
+    """What handling SIGTERM costs: the stop flag, one scalar more in every allreduce of the gradients,
+    against the same run with --preemption-signals left empty."""
+    return _against_default(args, out, "preemption", PREEMPTION_RUNS)
 
 
 # ---------------------------------------------------------------- start-up on a user's own files
@@ -695,6 +711,12 @@ def report(results: dict) -> str:
         for r in cb["rows"]:
             lines.append(f"  {r['model']:9} 1 step per call {_spread(r['ratios_to_default']['spe-1'])}  the callback "
                          f"{_spread(r['ratios_to_default']['per-batch'])}  (its hook alone {_spread(r['hook_alone'])})")
+    if "preemption" in results:
+        pr = results["preemption"]
+        lines.append(f"== SIGTERM handled / not ({pr['workers']} workers, {pr['controller']}): the stop flag in every "
+                     f"allreduce, min/median/max of {len(pr['rows'][0]['ratios_to_default']['off'])} interleaved rounds")
+        for r in pr["rows"]:
+            lines.append(f"  {r['model']:9} {_spread([1 / x for x in r['ratios_to_default']['off']])}")
     if "sync_vs_async" in results:
         lines.append(sync_vs_async.table(results["sync_vs_async"]))
     return "\n".join(lines)
@@ -716,7 +738,7 @@ def parser():
     p.add_argument("--min-bytes", type=int, default=4 << 10)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--sections", type=lambda s: s.split(","), default=["allreduce", "scaling", "levers", "baseline", "recipe", "startup",
-                                                                 "checkpoint", "callbacks", "sync-vs-async"])
+                                                                 "checkpoint", "callbacks", "preemption", "sync-vs-async"])
     p.add_argument("--records", type=int, default=200_000, help="startup: records in the user's own files")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every timed section")
     p.add_argument("--lever-models", type=lambda s: s.split(","), default=["resnet50", "mlp"],
@@ -724,7 +746,7 @@ def parser():
     p.add_argument("--levers", type=lambda s: s.split(","),
                    help=f"levers: these instead of each model's own ({', '.join(LEVERS)})")
     p.add_argument("--checkpoint-models", type=lambda s: s.split(","), default=["mlp", "cnn", "resnet50"],
-                   help="recipe, checkpoint, callbacks, stacks: the built-in models, each at its size (MODEL_SIZES)")
+                   help="recipe, checkpoint, callbacks, preemption, stacks: the built-in models, each at its size (MODEL_SIZES)")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--study-tasks", type=lambda s: s.split(","), default=["cnn", "wide"],
@@ -778,6 +800,8 @@ def main(argv) -> int:
         results["stacks"] = stacks(args, out)
     if "callbacks" in args.sections:
         results["callbacks"] = callbacks_cost(args, out)
+    if "preemption" in args.sections:
+        results["preemption"] = preemption_cost(args, out)
     if "sync-vs-async" in args.sections:
         results["sync_vs_async"] = sync_vs_async.study(
             args, out, lambda python, run_dir, flags: _train(python, run_dir, flags, args.timeout),

@@ -136,9 +136,13 @@ def test_bench_compares_this_stack_with_another_venvs_pair_by_pair(tmp_path):
     assert f"== {row['stacks']['this']['stack']} (TensorFlow" in text
 
 
-def test_bench_prices_a_no_op_per_batch_callback_against_the_defaults_and_one_step_per_call(tmp_path):
-    text, res = _bench(tmp_path, "--controllers", "gloo", "--sections", "callbacks", "--steps", "1",
+def test_bench_prices_a_no_op_per_batch_callback_and_sigterm_handling_against_the_defaults(tmp_path):
+    text, res = _bench(tmp_path, "--controllers", "gloo", "--sections", "callbacks,preemption", "--steps", "1",
                        "--repeats", "1", "--checkpoint-models", "mlp")
+    (pre,) = res["preemption"]["rows"]
+    assert set(pre["samples_per_sec"]) == {"default", "off"} and pre["ratios_to_default"]["off"][0] > 0
+    off = json.loads((tmp_path / "preemption-mlp-off-0" / "summary.json").read_text())
+    assert off["config"]["preemption_signals"] == [] and "== SIGTERM handled / not" in text
     (row,) = res["callbacks"]["rows"]
     assert row["model"] == "mlp" and set(row["samples_per_sec"]) == {"default", "spe-1", "per-batch"}
     assert len(row["hook_alone"]) == 1 and row["ratios_to_default"]["per-batch"][0] > 0

@@ -5,7 +5,8 @@ mpirun and DeepSpeed share). Checks syntax, duplicates and slot counts (one erro
 reachability of every host, and that every host has the same Python, TensorFlow, Horovod and hvdtrain:
 mismatched versions are a classic cause of a job that hangs instead of failing.
 
-`--discover` turns a hostfile into the host discovery script of an elastic job (docs/reliability.md).
+`--discover` turns a hostfile into the host discovery script of an elastic job (docs/reliability.md);
+`--slurm` prints the Slurm allocation it runs in as horovodrun's -H (docs/multinode.md).
 """
 from __future__ import annotations
 
@@ -143,6 +144,39 @@ def launch_commands(entries: list, hostfile: str | None, python="python") -> dic
     }
 
 
+def slurm_tasks_per_node(value: str) -> list:
+    """Slurm's SLURM_TASKS_PER_NODE, "2(x3),1" -> [2, 2, 2, 1]: one count per node of the allocation."""
+    counts = []
+    for item in value.split(","):
+        m = re.fullmatch(r"(\d+)(\(x(\d+)\))?", item.strip())
+        if not m:
+            raise UserError(f"SLURM_TASKS_PER_NODE={value!r}: expected counts such as 2(x3),1")
+        counts += [int(m.group(1))] * int(m.group(3) or 1)
+    return counts
+
+
+def slurm_hosts(env=None) -> str:
+    """The allocation this runs in, as horovodrun's -H: each node with its task count. The node names
+    come from Slurm's own expander (scontrol show hostnames), the counts from SLURM_TASKS_PER_NODE."""
+    import os
+
+    env = os.environ if env is None else env
+    nodelist, tasks = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"), env.get("SLURM_TASKS_PER_NODE")
+    if not nodelist or not tasks:
+        raise UserError("hosts --slurm: not inside a Slurm allocation (no SLURM_JOB_NODELIST/SLURM_TASKS_PER_NODE): "
+                        "run it in an sbatch script or salloc, with --ntasks-per-node (or -n) set")
+    try:
+        names = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                               check=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise UserError(f"hosts --slurm: scontrol show hostnames {nodelist} failed ({e})") from None
+    counts = slurm_tasks_per_node(tasks)
+    if len(counts) != len(names):
+        raise UserError(f"hosts --slurm: SLURM_TASKS_PER_NODE={tasks} gives {len(counts)} nodes, "
+                        f"SLURM_JOB_NODELIST={nodelist} {len(names)}")
+    return ",".join(f"{n}:{c}" for n, c in zip(names, counts))
+
+
 def parser():
     p = argparse.ArgumentParser(prog="hvdtrain hosts", description=__doc__.splitlines()[0])
     g = p.add_mutually_exclusive_group()
@@ -153,6 +187,9 @@ def parser():
     p.add_argument("--ssh-port", type=int, help="ssh port, as for horovodrun --ssh-port")
     p.add_argument("--python", default=sys.executable, help="the python every host runs (same path everywhere)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--slurm", action="store_true",
+                   help="only print this Slurm allocation's hosts as horovodrun's -H value (node:tasks,...), "
+                        "for horovodrun inside an sbatch script")
     p.add_argument("--discover", action="store_true",
                    help="only print 'host:slots' lines, as horovodrun --host-discovery-script wants: "
                         "elastic jobs re-read the hostfile every second, so edit it as hosts come and go")
@@ -161,6 +198,9 @@ def parser():
 
 def main(argv) -> int:
     args = parser().parse_args(argv)
+    if args.slurm:
+        print(slurm_hosts())
+        return 0
     if args.discover:  # no host available (yet) is a normal state of an elastic job: print nothing
         for host, slots in parse(args.hostfile, args.hosts, discover=True):
             print(f"{host}:{slots}")

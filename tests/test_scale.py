@@ -1,0 +1,55 @@
+"""32 ranks over 4 hosts (network namespaces node1..node4, 8 ranks each, 1 thread each): the job trains
+and every rank ends with the same weights, under the MPI controller and under Gloo. 2 cores cannot
+make 32 ranks fast: what is tested is that nothing breaks (start-up, the broadcast, the allreduce, the
+gathers of hvdtrain's own set-up)."""
+import json
+import shlex
+
+import pytest
+
+from conftest import BIN, PYTHON, ROOT, job_env
+from test_multihost import CLUSTER, ENV_NAMES, MPI_YIELD, _why_no_cluster, run
+
+pytestmark = pytest.mark.scale
+
+HOSTS = "node1:8,node2:8,node3:8,node4:8"
+TRAIN = ["-m", "hvdtrain", "--model", "mlp", "--data", "synthetic", "--synthetic-shape", "8", "8", "1",
+         "--synthetic-samples", "4096", "--batch-size", "8", "--epochs", "1", "--steps-per-epoch", "3",
+         "--threads", "1", "--verbose", "0", "--no-tensorboard", "--no-worker-logs"]
+
+
+@pytest.fixture(scope="module")
+def four_hosts():
+    import subprocess
+
+    why = _why_no_cluster()
+    if why:
+        pytest.skip(why)
+    up = subprocess.run([str(CLUSTER), "up", "4"], capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        yield ["node1", "node2", "node3", "node4"]
+    finally:
+        subprocess.run([str(CLUSTER), "down"], capture_output=True, text=True, timeout=120)
+
+
+def check(out, proc):
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["world_size"] == 32 and s["hosts"] == ["node1", "node2", "node3", "node4"]
+    assert len(s["weights_sha256_by_rank"]) == 32 and len(set(s["weights_sha256_by_rank"])) == 1
+    return s
+
+
+def test_32_ranks_over_4_hosts_train_alike_under_mpi(four_hosts, tmp_path):
+    cmd = [str(BIN / "horovodrun"), "-np", "32", "-H", HOSTS, "--mpi", "--network-interface", "eth0",
+           PYTHON, *TRAIN, "--output-dir", str(tmp_path)]
+    check(tmp_path, run(cmd, timeout=600, env=MPI_YIELD))
+
+
+def test_32_ranks_over_4_hosts_train_alike_under_gloo(four_hosts, tmp_path):
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in job_env().items() if k in ENV_NAMES)
+    horovodrun = [str(BIN / "horovodrun"), "-np", "32", "-H", HOSTS, "--gloo", "--network-interface", "eth0",
+                  PYTHON, *TRAIN, "--output-dir", str(tmp_path)]
+    check(tmp_path, run(["ssh", "node1", f"cd {shlex.quote(str(ROOT))} && env {env} {shlex.join(horovodrun)}"],
+                        timeout=600))

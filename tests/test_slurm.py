@@ -153,3 +153,27 @@ def test_the_sbatch_commands_of_the_docs_run_as_written(slurm, tmp_path):
             summary(out)
         finally:
             (ROOT / f"hvdtrain-{job}.out").unlink(missing_ok=True)
+
+
+def test_a_signal_named_by_preemption_signals_preempts_as_slurms_time_limit_warning_would(slurm, tmp_path):
+    """--preemption-signals TERM USR1, the signal `#SBATCH --signal=USR1@120` sends before a time limit
+    (sent here by scancel --signal=USR1): every rank stops at one step after its checkpoint, exit 75."""
+    run = tmp_path / "run"
+    job = submit(slurm, "train.sbatch", tmp_path / "job.out", *LONG, "--preemption-signals", "TERM", "USR1",
+                 "--output-dir", str(run))
+    state = {}
+
+    def signal_then_cancel_the_requeued_job():
+        if "sent" not in state and (run / "checkpoints" / "ckpt-1.index").exists():
+            slurm_cmd(slurm, "scancel", "--signal=USR1", job)
+            state["sent"] = True
+        log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+        if "sent" in state and "cancelled" not in state and "hvdtrain: preempted (SIGUSR1)" in log:
+            slurm_cmd(slurm, "scancel", job)  # its requeued run is the other test's
+            state["cancelled"] = True
+
+    wait_done(slurm, job, timeout=400, while_waiting=signal_then_cancel_the_requeued_job)
+    log = (tmp_path / "job.out").read_text()
+    assert "hvdtrain: preempted (SIGUSR1): every rank stopped after epoch 1, step" in log, log[-3000:]
+    assert "Exited with exit code 75" in log
+    assert list((run / "checkpoints").glob("ckpt-1-step-*.index")), log[-3000:]

@@ -181,7 +181,7 @@ def _from_sequence(cfg: Config, world: World, seq, validation, need_classes: Opt
     steps, notes = _agree_steps(cfg, world, runtime.gather((n - world.rank + world.size - 1) // world.size),
                                 1, n, unit="batches")
     first = _as_batch(seq[0], "the Sequence")
-    spec = tf.nest.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), first)
+    spec = _batch_spec(first)
     ended, before = [0], compat.sequence_epoch_ends_before_training()  # on_epoch_end calls: made, and owed
 
     def order(e):
@@ -211,10 +211,9 @@ def _from_sequence(cfg: Config, world: World, seq, validation, need_classes: Opt
             raise UserError(f"--data {cfg.data}: with a Sequence for training, validation data must be a "
                             f"Sequence too, got {type(validation).__name__}")
         mine = range(world.rank, len(validation), world.size)
-        vspec = tf.nest.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)),
-                                      _as_batch(validation[0], "the validation Sequence"))
         val = tf.data.Dataset.from_generator(
-            lambda: (_as_batch(validation[i], "the validation Sequence") for i in mine), output_signature=vspec)
+            lambda: (_as_batch(validation[i], "the validation Sequence") for i in mine),
+            output_signature=_batch_spec(_as_batch(validation[0], "the validation Sequence")))
         val = val.apply(tf.data.experimental.assert_cardinality(len(mine)))
     classes = None
     if need_classes:
@@ -222,6 +221,13 @@ def _from_sequence(cfg: Config, world: World, seq, validation, need_classes: Opt
         classes = labels[0].shape[1] if labels[0].ndim == 2 else int(max(l.max() for l in labels)) + 1
     batch = len(tf.nest.flatten(first)[0])
     return Data(epoch, val, steps, batch, spec, None, "batch", classes, notes=notes)
+
+
+def _batch_spec(batch):
+    """tf.data's signature of a Sequence's batches, from one: any batch size, the rest as it is."""
+    import tensorflow as tf
+
+    return tf.nest.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), batch)
 
 
 def _as_batch(item, what: str):

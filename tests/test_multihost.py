@@ -41,17 +41,22 @@ def _why_no_cluster():
     return None
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def netns_hosts(n: int):
+    """Hosts node1..nodeN for a module's tests (scripts/netns_cluster.sh), taken down after them."""
     why = _why_no_cluster()
     if why:
         pytest.skip(why)
-    up = subprocess.run([str(CLUSTER), "up", "2"], capture_output=True, text=True, timeout=300)
+    up = subprocess.run([str(CLUSTER), "up", str(n)], capture_output=True, text=True, timeout=300)
     assert up.returncode == 0, up.stdout + up.stderr
     try:
-        yield ["node1", "node2"]
+        yield [f"node{i}" for i in range(1, n + 1)]
     finally:
         subprocess.run([str(CLUSTER), "down"], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from netns_hosts(2)
 
 
 def run(cmd, timeout=240, env=None):

@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 from conftest import BIN, PYTHON, ROOT, job_env
-from test_multihost import CLUSTER, ENV_NAMES, MPI_YIELD, _why_no_cluster, run
+from test_multihost import ENV_NAMES, MPI_YIELD, netns_hosts, run
 
 pytestmark = pytest.mark.scale
 
@@ -20,17 +20,7 @@ TRAIN = ["-m", "hvdtrain", "--model", "mlp", "--data", "synthetic", "--synthetic
 
 @pytest.fixture(scope="module")
 def four_hosts():
-    import subprocess
-
-    why = _why_no_cluster()
-    if why:
-        pytest.skip(why)
-    up = subprocess.run([str(CLUSTER), "up", "4"], capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
-        yield ["node1", "node2", "node3", "node4"]
-    finally:
-        subprocess.run([str(CLUSTER), "down"], capture_output=True, text=True, timeout=120)
+    yield from netns_hosts(4)
 
 
 def check(out, proc):

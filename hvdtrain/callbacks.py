@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import warnings
 
 from . import compat, runtime
 from .checkpoint import per_rank_variables
@@ -110,7 +111,9 @@ def make(cfg, data, world_size: int, chief: bool):
             if int(data.val.cardinality()) < 0 and compat.calls_can_be_cut_short():
                 self.model.steps_per_execution = 1
             try:
-                local = self.model.evaluate(data.val, verbose=0, return_dict=True)
+                with warnings.catch_warnings():  # Keras 3 calls reading a set of unknown size to its end
+                    warnings.filterwarnings("ignore", message="Your input ran out of data")  # "running out"
+                    local = self.model.evaluate(data.val, verbose=0, return_dict=True)
             except ValueError as e:  # Keras' word for a shard with no batch: it adds nothing
                 if "Empty logs" not in str(e):
                     raise

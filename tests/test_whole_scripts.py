@@ -176,3 +176,14 @@ def test_counting_num_classes_is_said_with_its_time_and_num_classes_skips_it(tmp
                              "--output-dir", str(tmp_path / "b"), "--verbose", "0"])
     assert given.returncode == 0, given.stdout[-3000:]
     assert "counted in one pass" not in given.stdout
+
+
+def test_validation_of_unknown_size_is_read_to_its_end_without_a_running_out_warning(tmp_path):
+    """Keras 3 warns "Your input ran out of data; interrupting training" when evaluate reads a set of
+    unknown size to its end, which is what validation does: not a fault of the user's data."""
+    proc = launch(1, None, ["-m", "hvdtrain", "--model", "userdata:tiny_model", "--data",
+                            "userdata:blobs_validation_of_unknown_size", "--epochs", "3", "--lr", "0.05", "--output-dir",
+                            str(tmp_path), "--verbose", "0"])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["metrics"]["val_accuracy"] > 0.9
+    assert "ran out of data" not in proc.stdout

@@ -111,3 +111,9 @@ def blobs_signalling_in_validation():
         return x, y
 
     return train, val.map(element)
+
+
+def blobs_validation_of_unknown_size():
+    """blobs, whose validation set is filtered: tf.data cannot tell its size without reading it."""
+    train, val = blobs()
+    return train, val.filter(lambda x, y: True)

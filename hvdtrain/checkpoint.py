@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from . import compat, runtime
+from . import compat, runtime, watchdog
 from .config import Config, UserError
 from .optimizer import broadcast_initial_state, build
 from .runtime import log
@@ -142,7 +142,8 @@ class Checkpoints:
         t0 = time.perf_counter()
         ranks = gather_per_rank_state(self.model) if step else own_state(self.model)[None]
         if runtime.world().is_chief:
-            self._write(epoch, step, ranks)
+            with watchdog.busy("writing a checkpoint"):  # the others wait in the next allreduce: no hang
+                self._write(epoch, step, ranks)
         self.save_seconds.append(time.perf_counter() - t0)
         self.last_saved = (epoch, step)
 

@@ -121,6 +121,13 @@ class Config:
                                               "step checkpoint, with exit status 75 (the same command resumes); "
                                               "e.g. TERM USR1 (Slurm's --signal=USR1@120); none: off",
                                    nargs="*", item=str)
+    hang_frozen_seconds: float = _f(45.0, "name a rank whose process has not answered for this long (stopped, "
+                                          "or stuck in the kernel), then end the job with exit status 75 (the "
+                                          "same command resumes from the last checkpoint); 0: off")
+    hang_stuck_seconds: Optional[float] = _f(None, "name a live rank that has not reached its step's allreduce for "
+                                                   "this long while the others wait there (its input pipeline or "
+                                                   "step blocked), then end the job as above; default: the larger "
+                                                   "of 180 s and 50 median steps; 0: off")
     deterministic: bool = _f(True, "deterministic TensorFlow ops: same seed, same weights, bit for bit")
     # Horovod knobs
     horovod_timeline: Optional[str] = _f(None, "write Horovod's Chrome-trace timeline here (rank 0)")
@@ -184,6 +191,9 @@ class Config:
                             f"got {list(self.lr_decay_epochs)}")
         if self.lr_schedule == "step" and not self.lr_decay_epochs:
             raise UserError("--lr-schedule step needs --lr-decay-epochs, e.g. --lr-decay-epochs 30 60")
+        for name in ("hang_frozen_seconds", "hang_stuck_seconds"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise UserError(f"--{_flag(name)} must be 0 (off) or a number of seconds, got {getattr(self, name)}")
         for name in ("fusion_threshold_mb", "cycle_time_ms", "stall_check_seconds", "stall_shutdown_seconds"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise UserError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")

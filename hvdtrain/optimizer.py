@@ -13,7 +13,7 @@ import math
 import weakref
 from dataclasses import dataclass
 
-from . import compat, preemption, runtime
+from . import compat, preemption, runtime, watchdog
 from .config import DEFAULT_LR, DEFAULT_OPTIMIZER, Config, UserError
 
 
@@ -175,9 +175,10 @@ def _distributed_keras3(opt, cfg: Config):
     if cfg.backward_passes_per_step > 1:
         target = config["inner_optimizer"]["config"] if "inner_optimizer" in config else config
         target["gradient_accumulation_steps"] = cfg.backward_passes_per_step
-    reduce = preemption.flag().along_with(compat.allreduce_gradients_fn(
+    # the preemption flag rides in the allreduce; each arrival there is counted for the hang watchdog
+    reduce = watchdog.arrivals().counting(preemption.flag().along_with(compat.allreduce_gradients_fn(
         hvd.Adasum if cfg.reduction == "adasum" else hvd.Average, _compression(cfg), cfg.sparse_as_dense,
-        cfg.allreduce_groups))
+        cfg.allreduce_groups)))
     base = type(opt)
 
     def apply(self, grads, trainable_variables=None):
@@ -198,7 +199,8 @@ def _allreduce_traced_as_written(opt):
     conditions are tf.cond already), so traced as written it builds the same ops, without the cost."""
     import tensorflow as tf
 
-    reduce = preemption.flag().along_with(compat.horovod_allreduce_grads(opt).python_function)
+    reduce = watchdog.arrivals().counting(
+        preemption.flag().along_with(compat.horovod_allreduce_grads(opt).python_function))
     compat.set_horovod_allreduce_grads(opt, tf.function(reduce, autograph=False))
 
 

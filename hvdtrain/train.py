@@ -18,11 +18,10 @@ import math
 import os
 import re
 import socket
-import sys
 import time
 
 from . import callbacks as callbacks_lib
-from . import checkpoint, compat, models, optimizer, preemption, runtime
+from . import checkpoint, compat, models, optimizer, preemption, runtime, watchdog
 from . import config as config_lib
 from . import data as data_lib
 from .checkpoint import Checkpoints
@@ -537,20 +536,25 @@ def _say_if_step_checkpoints_cannot_resume(cfg: Config, data):
 def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, first_epoch: int, trainer: Trainer,
               first_step: int = 0):
     """A fixed set of workers. If a step fails, its rank names the cause in one line; if a worker
-    dies, the survivors name every worker so the dead one can be found."""
-    workers = runtime.gather((socket.gethostname(), os.getpid()))
+    dies, the survivors name every worker so the dead one can be found; if one hangs, the watchdog
+    names it and ends the job."""
+    dog = watchdog.Watchdog(cfg, world, resume_point=lambda: ckpts.last_saved)
+    workers = dog.workers  # every rank's (host, pid)
     iteration = int(model.optimizer.iterations.numpy()) - first_step
     try:
         return fit_on_shard(cfg, model, data, world, ckpts, first_epoch, trainer, first_step=first_step)
     except (optimizer.NonFiniteUpdate, UserError, KeyboardInterrupt, preemption.Preempted):
         raise
     except Exception as e:
+        dog.on_failure()  # a hung peer's silence explains it: the watchdog names it
         done = int(model.optimizer.iterations.numpy()) - iteration
         after = getattr(e, "hvdtrain_validating_after_epoch", None)  # set by callbacks.EpochEnd
         what, where = ("validation", f"after epoch {after}") if after else (
             "the training step",
             f"at epoch {first_epoch + done // data.steps_per_epoch + 1}, step {done % data.steps_per_epoch + 1}")
         _report_training_failure(e, what, where, world, workers)
+    finally:
+        dog.stop()
 
 
 def _report_training_failure(e, what: str, where: str, world, workers):

@@ -77,6 +77,23 @@ def processes_of(path, settle=0.0):
             if str(path) in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid()]
 
 
+def pid_of_rank(out, rank, proc, timeout=120, seen=()):
+    """Wait until the job trains (a checkpoint) and return the pid that rank logged (logs append
+    across runs in one output dir: the newest pid not in `seen`)."""
+    import re
+    import time
+
+    log, ckpt = out / "logs" / f"rank{rank}.log", out / "checkpoints" / "checkpoint"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ckpt.exists() and log.exists():
+            pids = [int(p) for p in re.findall(r"pid (\d+)", log.read_text()) if int(p) not in seen]
+            if pids:
+                return pids[-1]
+        time.sleep(0.1)
+    raise AssertionError(f"the job did not start training: {proc.stdout.read()[-3000:] if proc.poll() is not None else ''}")
+
+
 @pytest.fixture
 def out(tmp_path):
     return tmp_path

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import KERAS3, ROOT, command, job_env, launch, processes_of, train
+from conftest import KERAS3, ROOT, command, job_env, launch, pid_of_rank, processes_of, train
 from hvdtrain import config, hosts
 from hvdtrain.config import UserError
 
@@ -24,25 +24,11 @@ def _start(launcher, out, *extra):
                             text=True, start_new_session=True)
 
 
-def _pid_of_rank(out, rank, proc, timeout=120, seen=()):
-    """Wait until the job trains (a checkpoint) and return the pid that rank logged (logs append
-    across runs in one output dir: the newest pid not in `seen`)."""
-    log, ckpt = out / "logs" / f"rank{rank}.log", out / "checkpoints" / "checkpoint"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if ckpt.exists() and log.exists():
-            pids = [int(p) for p in re.findall(r"pid (\d+)", log.read_text()) if int(p) not in seen]
-            if pids:
-                return pids[-1]
-        time.sleep(0.1)
-    raise AssertionError(f"the job did not start training: {proc.stdout.read()[-3000:] if proc.poll() is not None else ''}")
-
-
 @pytest.mark.parametrize("launcher", ["gloo", "mpi", "mpirun"])
 def test_a_killed_worker_ends_the_whole_job_naming_it_and_leaves_no_process(launcher, tmp_path):
     proc = _start(launcher, tmp_path)
     try:
-        os.kill(_pid_of_rank(tmp_path, 1, proc), signal.SIGKILL)
+        os.kill(pid_of_rank(tmp_path, 1, proc), signal.SIGKILL)
         output, _ = proc.communicate(timeout=60)  # within 60 s, or the test fails
     finally:
         if proc.poll() is None:
@@ -94,7 +80,7 @@ def test_rank0_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
     for delay in (0.0, 0.7, 1.9):  # different moments of the epoch/checkpoint cycle
         proc = _start("gloo", tmp_path, "--checkpoint-every", "1")
         try:
-            pid = _pid_of_rank(tmp_path, 0, proc, seen=seen)
+            pid = pid_of_rank(tmp_path, 0, proc, seen=seen)
             seen.add(pid)
             time.sleep(delay)
             os.kill(pid, signal.SIGKILL)

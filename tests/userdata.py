@@ -117,3 +117,51 @@ def blobs_validation_of_unknown_size():
     """blobs, whose validation set is filtered: tf.data cannot tell its size without reading it."""
     train, val = blobs()
     return train, val.filter(lambda x, y: True)
+
+
+def _rank() -> str:
+    return os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+
+
+def blobs_blocking_on_rank_1():
+    """blobs, whose input pipeline blocks for an hour on rank 1 in epoch 2 (a read from a dead mount),
+    while its process and its other threads go on."""
+    import time
+
+    train, val = blobs()
+    stuck, reads = _rank() == "1", [0]
+
+    def read(x):
+        reads[0] += 1
+        if stuck and reads[0] > 448 + 100:  # every rank maps all 448 elements an epoch, then takes its shard
+            time.sleep(3600)
+        return x
+
+    def element(x, y):
+        x = tf.numpy_function(read, [x], tf.float32)
+        x.set_shape([4])
+        return x, y
+
+    return train.map(element), val
+
+
+def slow_first_step_on_rank_0(input_shape, num_classes):
+    """tiny_model, whose first forward pass takes SLOW_FIRST_STEP seconds on rank 0 alone (a long trace
+    or XLA compile there), while rank 1 reaches the allreduce and waits."""
+    import time
+
+    calls = [0]
+
+    def forward(x):
+        calls[0] += 1
+        if _rank() == "0" and calls[0] == 1:
+            time.sleep(float(os.environ.get("SLOW_FIRST_STEP", "8")))
+        return x
+
+    def slow(x):
+        y = tf.numpy_function(forward, [x], x.dtype)
+        y.set_shape(x.shape)
+        return y
+
+    return tf.keras.Sequential([tf.keras.layers.Input(input_shape), tf.keras.layers.Lambda(slow),
+                                tf.keras.layers.Flatten(), tf.keras.layers.Dense(num_classes)], name="slow_first")

@@ -17,6 +17,9 @@
   checkpoint  what --checkpoint-every-steps costs at its default N, for each built-in model
   stacks      the same hvdtrain run on this stack and on another venv's (--other-python, e.g.
               .venv-keras2/bin/python): Keras 3 against Keras 2, interleaved
+  scale       2..32 ranks (--ranks, over --hosts): launch to the first step, the initial broadcast, and
+              a step's allreduce (the model's gradient bytes) against the ring's bound 2(N-1)/N x
+              bytes / bandwidth, the bandwidth being the 2-rank allreduce's at that size
 
 Writes bench.json and PNG plots in --out, and prints the figures side by side.
 """
@@ -140,6 +143,51 @@ def _allreduce_GBps(allreduce_runs, controller: str, n: int, size: int):
             row = min(run["rows"], key=lambda r: abs(math.log(r["bytes"] / size)))
             return row["horovod_algbw_GBps"]
     return None
+
+
+# ---------------------------------------------------------------- scale: 2..32 ranks
+
+def scale(args, out: Path) -> dict:
+    """Each rank count once per round, rounds interleaved: a short hvdtrain run (1 thread a rank) for its
+    start-up (the bench's launch to the wall-clock time every rank began training) and its initial
+    broadcast (summary.json), then hvd.allreduce of that model's gradient bytes at the same rank count.
+    A ring moves 2(N-1)/N x bytes through each rank, so at 2 ranks it moves the bytes once: the bound at
+    N is 2(N-1)/N x the 2-rank time, and their ratio says what grows faster than the ring."""
+    import numpy as np
+
+    runs = {}
+    for rep in range(args.repeats):
+        for controller in args.controllers:
+            for n in args.ranks:
+                python = _python(n, controller, args.hosts)
+                flags = ["--model", args.model, "--data", "synthetic", "--synthetic-shape",
+                         *[str(args.image_size)] * 2, "3", "--synthetic-samples", str(args.batch_size * 3 * n),
+                         "--batch-size", str(args.batch_size), "--epochs", "1", "--steps-per-epoch", "3",
+                         "--threads", "1", "--checkpoint-every", "0", "--no-keep-best", "--no-tensorboard",
+                         "--no-save-model", "--no-worker-logs", "--verbose", "0"]
+                launched = time.time()
+                s = _train(python, out / f"scale-{controller}-{n}-{rep}", flags, args.timeout)
+                size = s["model"]["gradient_bytes"] // 4 * 4
+                bench = _run(python + ["-m", "hvdtrain", "bench", "--worker", "allreduce", "--min-bytes", str(size),
+                                       "--max-bytes", str(size)], timeout=args.timeout)
+                row = json.loads(bench.split("BENCH ", 1)[1].splitlines()[0])["rows"][0]
+                got = runs.setdefault((controller, n), {"startup_s": [], "broadcast_s": [], "allreduce_s": []})
+                got["startup_s"].append(s["training_started_at"] - launched)
+                got["broadcast_s"].append(s["broadcast_s"])
+                got["allreduce_s"].append(row["horovod_s"])
+                say(f"scale {controller} {n} ranks: start-up {got['startup_s'][-1]:.1f} s, broadcast "
+                    f"{got['broadcast_s'][-1] * 1000:.0f} ms, allreduce of {size} bytes {row['horovod_s'] * 1000:.2f} ms")
+    rows = []
+    for (controller, n), got in runs.items():
+        row = {"controller": controller, "ranks": n, **got,
+               **{f"{k}_median": float(np.median(v)) for k, v in got.items()}}
+        two = runs.get((controller, 2))
+        if two:
+            row["ring_bound_s"] = 2 * (n - 1) / n * float(np.median(two["allreduce_s"]))
+            row["allreduce_over_ring_bound"] = row["allreduce_s_median"] / row["ring_bound_s"]
+        rows.append(row)
+    return {"model": args.model, "image_size": args.image_size, "gradient_bytes": size, "hosts": args.hosts,
+            "rows": rows}
 
 
 # ---------------------------------------------------------------- levers, one at a time
@@ -717,6 +765,16 @@ def report(results: dict) -> str:
                      f"allreduce, min/median/max of {len(pr['rows'][0]['ratios_to_default']['off'])} interleaved rounds")
         for r in pr["rows"]:
             lines.append(f"  {r['model']:9} {_spread([1 / x for x in r['ratios_to_default']['off']])}")
+    if "scale" in results:
+        sc = results["scale"]
+        lines.append(f"== scale: {sc['model']} {sc['image_size']}px, {sc['gradient_bytes']} gradient bytes, 1 thread a "
+                     f"rank, on {sc['hosts'] or 'this host'} (medians of {len(sc['rows'][0]['startup_s'])} round(s))")
+        lines.append(f"  {'':7} {'ranks':>5} {'start-up':>9} {'broadcast':>10} {'allreduce':>10} {'ring bound':>11} {'ratio':>6}")
+        for r in sc["rows"]:
+            bound = f"{r['ring_bound_s'] * 1000:9.2f}ms" if "ring_bound_s" in r else f"{'-':>11}"
+            ratio = f"{r['allreduce_over_ring_bound']:6.2f}" if "ring_bound_s" in r else f"{'-':>6}"
+            lines.append(f"  {r['controller']:7} {r['ranks']:>5} {r['startup_s_median']:8.1f}s "
+                         f"{r['broadcast_s_median'] * 1000:8.0f}ms {r['allreduce_s_median'] * 1000:8.2f}ms {bound} {ratio}")
     if "sync_vs_async" in results:
         lines.append(sync_vs_async.table(results["sync_vs_async"]))
     return "\n".join(lines)
@@ -739,6 +797,8 @@ def parser():
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--sections", type=lambda s: s.split(","), default=["allreduce", "scaling", "levers", "baseline", "recipe", "startup",
                                                                  "checkpoint", "callbacks", "preemption", "sync-vs-async"])
+    p.add_argument("--ranks", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4, 8, 16, 32],
+                   help="scale: rank counts (over --hosts, or this host)")
     p.add_argument("--records", type=int, default=200_000, help="startup: records in the user's own files")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every timed section")
     p.add_argument("--lever-models", type=lambda s: s.split(","), default=["resnet50", "mlp"],
@@ -802,6 +862,8 @@ def main(argv) -> int:
         results["callbacks"] = callbacks_cost(args, out)
     if "preemption" in args.sections:
         results["preemption"] = preemption_cost(args, out)
+    if "scale" in args.sections:
+        results["scale"] = scale(args, out)
     if "sync-vs-async" in args.sections:
         results["sync_vs_async"] = sync_vs_async.study(
             args, out, lambda python, run_dir, flags: _train(python, run_dir, flags, args.timeout),

@@ -163,12 +163,15 @@ def _run_started(cfg: Config, world: runtime.World, elastic: bool, t0: float, mo
         _say_finished(cfg, done, "its final weights and optimizer state are back in the model")
         return done
     startup_s = time.time() - t0  # launch to the first step: data found, counted and sharded, model built
+    broadcast_s, started_at = None, None  # rank 0's state to every rank; the wall-clock time training began
     try:
         if elastic:
             (history, epoch_end), data, rounds = fit_elastic(cfg, model, shard, ckpts, trainer)
             first_epoch, first_step = rounds[0]["from_epoch"], rounds[0]["from_step"]
         else:
+            t = time.time()
             (first_epoch, first_step), rounds = ckpts.restore_and_broadcast(), []
+            broadcast_s, started_at = time.time() - t, time.time()
             _say_how_it_resumes(cfg, ckpts, world, model)
             first_step = replayable_step(cfg, data, first_epoch, first_step)
             history, epoch_end = fit_fixed(cfg, model, data, world, ckpts, first_epoch, trainer, first_step)
@@ -207,6 +210,8 @@ def _run_started(cfg: Config, world: runtime.World, elastic: bool, t0: float, mo
         "samples_per_sec_total": sum(per_worker),
         "wall_time_s": time.time() - t0,
         "startup_s": max(runtime.gather(startup_s)),
+        "broadcast_s": max(runtime.gather(broadcast_s)) if broadcast_s is not None else None,
+        "training_started_at": max(runtime.gather(started_at)) if started_at is not None else None,  # time.time()
         "checkpoint_save_s": ckpts.save_seconds,  # rank 0's: the others wait for it at the next step
         "weights_sha256_by_rank": runtime.gather(weights_sha256(model)),
         "precision": {"policy": _policy(), "loss_scaling": _loss_scaling(model)},

@@ -150,3 +150,17 @@ def test_bench_prices_a_no_op_per_batch_callback_and_sigterm_handling_against_th
              for k in row["samples_per_sec"]}
     assert steps == {"default": 10, "spe-1": 1, "per-batch": 1}  # the callback brings 1 step per call
     assert "bench: callbacks mlp per-batch" in text and "== a no-op per-batch callback" in text
+
+
+def test_bench_scale_reports_startup_broadcast_and_the_allreduce_against_the_ring_bound_per_rank_count(tmp_path):
+    text, res = _bench(tmp_path, "--controllers", "gloo", "--sections", "scale", "--ranks", "2,4", "--repeats", "1")
+    rows = {r["ranks"]: r for r in res["scale"]["rows"]}
+    assert set(rows) == {2, 4} and res["scale"]["gradient_bytes"] > 0
+    for n, r in rows.items():
+        assert 0 < r["broadcast_s_median"] < r["startup_s_median"] and r["allreduce_s_median"] > 0
+        s = json.loads((tmp_path / f"scale-gloo-{n}-0" / "summary.json").read_text())
+        assert s["world_size"] == n and s["training_started_at"] > 0
+    # the ring moves the bytes once at 2 ranks, 2(N-1)/N times at N: the bound at 4 is 1.5x the 2-rank time
+    assert rows[2]["allreduce_over_ring_bound"] == pytest.approx(1.0)
+    assert rows[4]["ring_bound_s"] == pytest.approx(1.5 * rows[2]["allreduce_s_median"])
+    assert "== scale: mlp 8px" in text and "bench: scale gloo 4 ranks: start-up" in text

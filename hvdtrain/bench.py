@@ -170,7 +170,8 @@ def scale(args, out: Path) -> dict:
                 size = s["model"]["gradient_bytes"] // 4 * 4
                 bench = _run(python + ["-m", "hvdtrain", "bench", "--worker", "allreduce", "--min-bytes", str(size),
                                        "--max-bytes", str(size)], timeout=args.timeout)
-                row = json.loads(bench.split("BENCH ", 1)[1].splitlines()[0])["rows"][0]
+                # the JSON object alone: under horovodrun --mpi another rank's output may follow on its line
+                row = json.JSONDecoder().raw_decode(bench.split("BENCH ", 1)[1])[0]["rows"][0]
                 got = runs.setdefault((controller, n), {"startup_s": [], "broadcast_s": [], "allreduce_s": []})
                 got["startup_s"].append(s["training_started_at"] - launched)
                 got["broadcast_s"].append(s["broadcast_s"])

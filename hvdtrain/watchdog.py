@@ -179,6 +179,7 @@ class Watchdog:
         self.ending = threading.Event()  # this rank is about to exit: the job is hung
         self.base = int(arrivals().count.numpy())
         self.listener, self.unanswered_since = None, None  # since when rank 0 owes this rank an answer
+        self.poke, self.answers, self.connected = threading.Event(), 0, False  # heartbeat now; answers had
         contact = None
         if self.on and world.is_chief:
             self.listener = socket.create_server(("0.0.0.0", 0), backlog=world.size)
@@ -208,26 +209,36 @@ class Watchdog:
 
     def on_failure(self):
         """This rank's step failed. If the job is hung, the watchdog's line is the one to print: when
-        it is ending the job already, wait for it to exit the process; when a peer has been silent
-        for a while, this failure is what that silence caused (Gloo gives up on a frozen peer after
-        its own 30 s timeout): name it now, and end."""
+        it is ending the job already (a peer that was told exits, and this rank's step fails with it),
+        wait for it to exit the process; when a peer has been silent for a while, this failure is what
+        that silence caused (Gloo gives up on a frozen peer after its own 30 s timeout): name it now,
+        and end. Otherwise return at once: the failure is reported as any other."""
         if not self.on:
             return
-        if not self.ending.is_set():
-            now, quiet = time.monotonic(), 3 * self.interval
-            if self.world.is_chief:
-                with self.lock:
-                    what = verdict(self.peers, now, quiet, 0, now)
-                if what:
-                    self._end(what)
-            elif self.unanswered_since is not None and now - self.unanswered_since > quiet:
+        now, quiet = time.monotonic(), 3 * self.interval
+        if self.world.is_chief and not self.ending.is_set():
+            with self.lock:
+                what = verdict(self.peers, now, quiet, 0, now)
+            if what:
+                self._end(what)
+        elif not self.world.is_chief and not self.ending.is_set():
+            if self.unanswered_since is not None and now - self.unanswered_since > quiet:
                 self._rank0_frozen(now - self.unanswered_since)
-        if self.ending.wait(self.interval + 1):
-            time.sleep(60)
+            asked = self.answers
+            self.poke.set()  # ask rank 0 now whether the job is ending
+            deadline = now + 2.0
+            while self.answers == asked and not self.ending.is_set() and time.monotonic() < deadline \
+                    and self.connected:
+                time.sleep(0.02)
+        if self.ending.is_set():
+            time.sleep(60)  # the watchdog's thread exits the process
 
     def stop(self):
         self.stopped.set()
+        self.poke.set()
         if self.listener is not None:
+            with contextlib.suppress(OSError):
+                self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
             self.listener.close()
 
     # rank 0 --------------------------------------------------------
@@ -245,8 +256,11 @@ class Watchdog:
         peer = None
         with conn, conn.makefile("rw") as io:
             for line in io:
-                beat = json.loads(line)
-                if beat.get("token") != self.contact["token"]:
+                try:
+                    beat = json.loads(line)
+                except ValueError:
+                    return
+                if not isinstance(beat, dict) or beat.get("token") != self.contact["token"]:
                     return
                 with self.lock:
                     peer = self.peers[beat["rank"]]
@@ -313,10 +327,17 @@ class Watchdog:
         return None
 
     def _beat(self):
+        try:
+            self._beat_connected()
+        finally:
+            self.connected = False
+
+    def _beat_connected(self):
         conn = self._connect()
         if conn is None:
             return
         conn.settimeout(self.interval)
+        self.connected = True
         with conn:
             buf = b""
             while not self.stopped.is_set():
@@ -334,7 +355,9 @@ class Watchdog:
                     self.ending.set()
                     log.error("%s", answer["end"], extra=runtime.FILE_ONLY)
                     _exit()
-                self.stopped.wait(self.interval)
+                self.answers += 1
+                self.poke.wait(self.interval)
+                self.poke.clear()
 
     def _rank0_frozen(self, silent: float):
         self.ending.set()

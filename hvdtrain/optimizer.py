@@ -175,10 +175,9 @@ def _distributed_keras3(opt, cfg: Config):
     if cfg.backward_passes_per_step > 1:
         target = config["inner_optimizer"]["config"] if "inner_optimizer" in config else config
         target["gradient_accumulation_steps"] = cfg.backward_passes_per_step
-    # the preemption flag rides in the allreduce; each arrival there is counted for the hang watchdog
-    reduce = watchdog.arrivals().counting(preemption.flag().along_with(compat.allreduce_gradients_fn(
+    reduce = _signalling(compat.allreduce_gradients_fn(
         hvd.Adasum if cfg.reduction == "adasum" else hvd.Average, _compression(cfg), cfg.sparse_as_dense,
-        cfg.allreduce_groups)))
+        cfg.allreduce_groups))
     base = type(opt)
 
     def apply(self, grads, trainable_variables=None):
@@ -192,6 +191,12 @@ def _distributed_keras3(opt, cfg: Config):
     return cls.from_config(config)
 
 
+def _signalling(allreduce):
+    """The gradients' allreduce, as both stacks wrap it: it also carries this rank's preemption flag
+    (preemption.py), and counts this rank's arrival there for the hang watchdog (watchdog.py)."""
+    return watchdog.arrivals().counting(preemption.flag().along_with(allreduce))
+
+
 def _allreduce_traced_as_written(opt):
     """Horovod wraps its allreduce of the gradients in a tf.function with AutoGraph on, so every trace
     of the step converts Horovod's Python, gradient by gradient: 1.2 of the 2.0 s of a 2-worker cnn's
@@ -199,8 +204,7 @@ def _allreduce_traced_as_written(opt):
     conditions are tf.cond already), so traced as written it builds the same ops, without the cost."""
     import tensorflow as tf
 
-    reduce = watchdog.arrivals().counting(
-        preemption.flag().along_with(compat.horovod_allreduce_grads(opt).python_function))
+    reduce = _signalling(compat.horovod_allreduce_grads(opt).python_function)
     compat.set_horovod_allreduce_grads(opt, tf.function(reduce, autograph=False))
 
 

@@ -51,7 +51,8 @@ class _Arrivals:
             self.count = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvdtrain_allreduce_arrivals")
 
     def counting(self, allreduce):
-        """`allreduce(grads, variables)` that first counts this rank's arrival, once its gradients exist."""
+        """`allreduce(grads, variables)` (preemption's, a plain function) that first counts this rank's
+        arrival, once its gradients exist."""
         import tensorflow as tf
 
         def reduce(grads, variables):
@@ -59,8 +60,7 @@ class _Arrivals:
             with tf.control_dependencies([t for t in tf.nest.flatten(grads, expand_composites=True)
                                           if t is not None]):
                 self.count.assign_add(1)
-            fn = allreduce if tf.executing_eagerly() else getattr(allreduce, "python_function", allreduce)
-            return fn(grads, variables)
+            return allreduce(grads, variables)
 
         return reduce
 
@@ -221,14 +221,13 @@ class Watchdog:
                 what = verdict(self.peers, now, quiet, 0, now)
             if what:
                 self._end(what)
-        elif not self.world.is_chief and not self.ending.is_set():
+        elif not self.ending.is_set():
             if self.unanswered_since is not None and now - self.unanswered_since > quiet:
                 self._rank0_frozen(now - self.unanswered_since)
             asked = self.answers
             self.poke.set()  # ask rank 0 now whether the job is ending
-            deadline = now + 2.0
-            while self.answers == asked and not self.ending.is_set() and time.monotonic() < deadline \
-                    and self.connected:
+            while self.answers == asked and self.connected and not self.ending.is_set() \
+                    and time.monotonic() < now + 2.0:
                 time.sleep(0.02)
         if self.ending.is_set():
             time.sleep(60)  # the watchdog's thread exits the process

@@ -38,7 +38,7 @@ def hangs_on_rank_1(input_shape, num_classes):
     """A model whose forward pass blocks on rank 1 from its 4th step on: a worker stuck in I/O."""
     import time
 
-    stuck = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1"
+    stuck = _rank() == "1"
     calls = [0]
 
     def forward(x):
@@ -47,13 +47,18 @@ def hangs_on_rank_1(input_shape, num_classes):
             time.sleep(3600)
         return x
 
-    def hang(x):
+    return _tiny_calling(forward, input_shape, num_classes, "hangs")
+
+
+def _tiny_calling(forward, input_shape, num_classes, name):
+    """tiny_model with a Python function in its forward pass (a blocking read, a slow compile)."""
+    def python(x):
         y = tf.py_function(forward, [x], x.dtype)
         y.set_shape(x.shape)
         return y
 
-    return tf.keras.Sequential([tf.keras.layers.Input(input_shape), tf.keras.layers.Lambda(hang),
-                                tf.keras.layers.Flatten(), tf.keras.layers.Dense(num_classes)], name="hangs")
+    return tf.keras.Sequential([tf.keras.layers.Input(input_shape), tf.keras.layers.Lambda(python),
+                                tf.keras.layers.Flatten(), tf.keras.layers.Dense(num_classes)], name=name)
 
 
 def stop_at_a_plateau():
@@ -158,10 +163,4 @@ def slow_first_step_on_rank_0(input_shape, num_classes):
             time.sleep(float(os.environ.get("SLOW_FIRST_STEP", "8")))
         return x
 
-    def slow(x):
-        y = tf.numpy_function(forward, [x], x.dtype)
-        y.set_shape(x.shape)
-        return y
-
-    return tf.keras.Sequential([tf.keras.layers.Input(input_shape), tf.keras.layers.Lambda(slow),
-                                tf.keras.layers.Flatten(), tf.keras.layers.Dense(num_classes)], name="slow_first")
+    return _tiny_calling(forward, input_shape, num_classes, "slow_first")

@@ -2,8 +2,8 @@
 
     RECORDS='data/records/*.tfrecord' python -m hvdtrain --model mlp --data examples.records_pipeline:dataset
 
-hvdtrain shards it by file (every worker reads its own files, each record once per epoch). Also the
-user pipeline of `hvdtrain bench --sections startup`, which writes such files with `write`.
+hvdtrain shards it by file (every worker reads its own files, each record once per epoch). `write`
+makes such files from arrays.
 """
 import os
 

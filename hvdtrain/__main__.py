@@ -11,7 +11,7 @@ from .preemption import EXIT_STATUS, Preempted
 
 COMMANDS = {
     "doctor": "hvdtrain.doctor",
-    "bench": "hvdtrain.bench",
+    "bench": "hvdtrain.bench.cli",
     "hosts": "hvdtrain.hosts",
 }
 

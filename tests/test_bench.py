@@ -2,6 +2,7 @@
 asserted: they belong to the benchmark, not to a test)."""
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -164,3 +165,36 @@ def test_bench_scale_reports_startup_broadcast_and_the_allreduce_against_the_rin
     assert rows[2]["allreduce_over_ring_bound"] == pytest.approx(1.0)
     assert rows[4]["ring_bound_s"] == pytest.approx(1.5 * rows[2]["allreduce_s_median"])
     assert "== scale: mlp 8px" in text and "bench: scale gloo 4 ranks: start-up" in text
+
+
+def test_an_installed_hvdtrain_runs_the_bench_without_the_repository(tmp_path):
+    """`pip install .` (a wheel, not editable) into a fresh venv, run from elsewhere: the bench is part of
+    the package, with its own user pipeline (the startup section), and nothing of examples/ or tests/.
+    The venv sees this venv's TensorFlow and Horovod through a path file (after its own packages), not
+    installs of its own: the wheel alone is under test."""
+    import sysconfig
+
+    wheels, venv, cwd = tmp_path / "wheels", tmp_path / "venv", tmp_path / "elsewhere"
+    subprocess.run([PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
+                    str(ROOT)], check=True, cwd=tmp_path, timeout=300)
+    subprocess.run([PYTHON, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = Path(subprocess.run([str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               stdout=subprocess.PIPE, text=True, check=True).stdout.strip())
+    (site / "dependencies.pth").write_text(f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
+    (wheel,) = wheels.glob("hvdtrain-*.whl")
+    subprocess.run([PYTHON, "-m", "pip", "--python", str(venv / "bin/python"), "install", "--no-deps", "-q",
+                    str(wheel)], check=True, timeout=300)
+    cwd.mkdir()
+    env = {k: v for k, v in job_env({"HVDTRAIN_BENCH_SMALL": "1"}).items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{venv / 'bin'}:{env['PATH']}"
+    where = subprocess.run([str(venv / "bin/python"), "-c", "import hvdtrain.bench.cli as m; print(m.__file__)"],
+                           cwd=cwd, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout.strip()
+    assert where.startswith(str(site)), where
+    proc = subprocess.run([str(venv / "bin/hvdtrain"), "bench", "--sections", "startup", "--workers", "1",
+                           "--out", "b"], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    st = json.loads((cwd / "b" / "bench.json").read_text())["startup"]
+    assert st["records"] == 400 and st["workers"] == 1 and "figures measure nothing" in proc.stdout
+    run = json.loads((cwd / "b" / "startup-own_pipeline-0" / "summary.json").read_text())
+    assert run["config"]["data"] == "hvdtrain.bench.own_records:dataset" and run["epochs_run"] == 1

@@ -13,7 +13,7 @@ then what a Keras 3 user writes by hand: a train_step that averages the gradient
 `hvd.allreduce` before `optimizer.apply`, rank 0's variables broadcast before the first step, and the
 warm-up as a LearningRateScheduler.
 
-    horovodrun -np 2 python -m hvdtrain.horovod_recipe --model cnn --image-size 16 --steps 100
+    horovodrun -np 2 python -m hvdtrain.bench.horovod_recipe --model cnn --image-size 16 --steps 100
 """
 import argparse
 import json

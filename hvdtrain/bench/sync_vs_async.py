@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import UserError
+from ..config import UserError
 
 BATCH = 32  # per worker, and per asynchronous update
 LR = 0.01  # per batch of 32, both tasks; synchronous peers scale it by N
@@ -45,7 +45,7 @@ def wide_mlp(input_shape, num_classes):
 
 
 def _builder(task):
-    from . import models
+    from .. import models
 
     return models.BUILDERS["cnn"] if task == "cnn" else wide_mlp
 
@@ -76,7 +76,7 @@ def study(args, out: Path, train, launcher, env, say) -> dict:
 
 
 def _horovod(args, run_dir, task, n, seed, train, launcher) -> dict:
-    model = "cnn" if task == "cnn" else "hvdtrain.sync_vs_async:wide_mlp"
+    model = "cnn" if task == "cnn" else "hvdtrain.bench.sync_vs_async:wide_mlp"
     flags = ["--model", model, "--data", "digits", "--epochs", str(args.study_epochs), "--batch-size",
              str(BATCH), "--optimizer", "momentum", "--lr", str(LR), "--warmup-epochs", "0",
              "--seed", str(seed), "--threads", "1", "--checkpoint-every", "0", "--checkpoint-every-steps", "0",
@@ -190,7 +190,7 @@ def _train(strategy, peer, task, n, seed, epochs) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from . import config, data
+    from .. import config, data
 
     tf.keras.utils.set_random_seed(seed)
     x, y, xv, yv = data._digits(config.Config(), None, True)

@@ -1,0 +1,130 @@
+"""`hvdtrain bench [--sections ...]`: the flags, then each section asked for, in a fixed order; writes
+bench.json and the plots into --out and prints the report."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from pathlib import Path
+
+from .. import bench
+
+from .. import compat
+from . import launch, report, sections, sync_vs_async
+
+def parser():
+    p = argparse.ArgumentParser(prog="hvdtrain bench", description=bench.__doc__.splitlines()[0])
+    cores = len(os.sched_getaffinity(0))
+    p.add_argument("--workers", type=lambda s: [int(v) for v in s.split(",")],
+                   default=list(range(1, cores + 1)), help="worker counts, e.g. 1,2,4 (default 1..cores)")
+    p.add_argument("-H", "--hosts", help="host list for horovodrun beyond this machine (host:slots,...)")
+    p.add_argument("--controllers", type=lambda s: s.split(","), default=["gloo", "mpi"],
+                   help="horovodrun controllers to compare: gloo,mpi")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20, help="measured steps per epoch (2 epochs)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker, the same at every N")
+    p.add_argument("--min-bytes", type=int, default=4 << 10)
+    p.add_argument("--max-bytes", type=int, default=256 << 20)
+    p.add_argument("--sections", type=lambda s: s.split(","), default=["allreduce", "scaling", "levers", "baseline", "recipe", "startup",
+                                                                 "checkpoint", "callbacks", "preemption", "sync-vs-async"])
+    p.add_argument("--ranks", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4, 8, 16, 32],
+                   help="scale: rank counts (over --hosts, or this host)")
+    p.add_argument("--records", type=int, default=200_000, help="startup: records in the user's own files")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every timed section")
+    p.add_argument("--lever-models", type=lambda s: s.split(","), default=["resnet50", "mlp"],
+                   help="levers: the built-in models, each at its size (MODEL_SIZES) with its levers")
+    p.add_argument("--levers", type=lambda s: s.split(","),
+                   help=f"levers: these instead of each model's own ({', '.join(sections.LEVERS)})")
+    p.add_argument("--checkpoint-models", type=lambda s: s.split(","), default=["mlp", "cnn", "resnet50"],
+                   help="recipe, checkpoint, callbacks, preemption, stacks: the built-in models, each at its size (MODEL_SIZES)")
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--out", default="runs/bench")
+    p.add_argument("--study-tasks", type=lambda s: s.split(","), default=["cnn", "wide"],
+                   help="sync-vs-async: cnn (compute bound), wide (communication bound)")
+    p.add_argument("--study-workers", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4])
+    p.add_argument("--study-seeds", type=int, default=3)
+    p.add_argument("--study-epochs", type=int, default=10)
+    p.add_argument("--other-python", help="stacks: another venv's python to compare with "
+                   "(e.g. .venv-keras2/bin/python)")
+    p.add_argument("--study-peer", help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["allreduce", "keras", "sync-vs-async"], help=argparse.SUPPRESS)
+    return p
+
+
+SMALL = "HVDTRAIN_BENCH_SMALL"  # set (to 1): every section as asked for, at its smallest sizes
+
+
+def shrink(args):
+    """The sections as asked for, each at its smallest sizes: one round, the MLP on 8x8 inputs, at most
+    2 workers and 2 ranks, a few hundred records. For a test that runs the docs' commands as written; its
+    figures measure nothing (the report says so)."""
+    args.workers = sorted({min(w, 2) for w in args.workers})
+    args.ranks, args.study_workers = [2], [2]
+    args.model, args.image_size, args.batch_size, args.steps, args.repeats = "mlp", 8, 16, 1, 1
+    args.min_bytes, args.max_bytes, args.records = 4 << 10, 16 << 10, 400
+    args.lever_models, args.checkpoint_models = ["mlp"], ["mlp"]
+    args.study_tasks, args.study_seeds, args.study_epochs = args.study_tasks[:1], 1, 1
+    launch.say(f"{SMALL} is set: every section at its smallest sizes (1 round, the MLP, at most 2 "
+               f"workers); these figures measure nothing")
+
+
+def main(argv) -> int:
+    args = parser().parse_args(argv)
+    if args.worker == "allreduce":
+        return sections.allreduce_worker(args)
+    if args.worker == "keras":
+        return sections.keras_worker(args)
+    if args.worker == "sync-vs-async":
+        return sync_vs_async.worker(args)
+    if os.environ.get(SMALL):
+        shrink(args)
+    args.max_workers = max(args.workers)
+    if "sync-vs-async" in args.sections and compat.keras3():
+        args.sections = [s for s in args.sections if s != "sync-vs-async"]
+        print("bench: sync-vs-async left out: its tf.distribute peers (MultiWorkerMirroredStrategy, "
+              "ParameterServerStrategy) do not train Keras 3 models (tensorflow#72388); run it on the keras2 "
+              "stack (HVDTRAIN_STACK=keras2 scripts/setup.sh)", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"host": socket.gethostname(), "cores": len(os.sched_getaffinity(0)),
+               "args": {k: v for k, v in vars(args).items() if k != "worker"},
+               "scaling": {"model": args.model, "image_size": args.image_size,
+                           "batch_size_per_worker": args.batch_size, "threads_per_worker": args.threads,
+                           "rows": []}}
+    if "allreduce" in args.sections:
+        results["allreduce"] = sections.allreduce(args)
+    if "scaling" in args.sections:
+        results["scaling"] = sections.scaling(args, out, results.get("allreduce", ()))
+    if "levers" in args.sections:
+        results["levers"] = sections.levers(args, out)
+    if "baseline" in args.sections:
+        results["baseline"] = sections.keras_baseline(args, out)
+    if "recipe" in args.sections:
+        results["recipe"] = sections.recipe(args, out)
+    if "startup" in args.sections:
+        results["startup"] = sections.startup(args, out)
+    if "checkpoint" in args.sections:
+        results["checkpoint"] = sections.checkpoint_cost(args, out)
+    if "stacks" in args.sections:
+        results["stacks"] = sections.stacks(args, out)
+    if "callbacks" in args.sections:
+        results["callbacks"] = sections.callbacks_cost(args, out)
+    if "preemption" in args.sections:
+        results["preemption"] = sections.preemption_cost(args, out)
+    if "scale" in args.sections:
+        results["scale"] = sections.scale(args, out)
+    if "sync-vs-async" in args.sections:
+        results["sync_vs_async"] = sync_vs_async.study(
+            args, out, lambda python, run_dir, flags: launch.train(python, run_dir, flags, args.timeout),
+            lambda n: launch.python(n, args.controllers[0], args.hosts), launch.env, launch.say)
+    (out / "bench.json").write_text(json.dumps(results, indent=2))
+    results["plot"] = report.plot(results, out / "scaling.png")
+    written = [results["plot"]] if results["plot"] else []
+    if "sync_vs_async" in results:
+        written += sync_vs_async.write(results["sync_vs_async"], out)
+    print(report.report(results))
+    print(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in written))
+    return 0

@@ -11,7 +11,8 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+import typing
+from typing import Dict, Optional, Tuple
 
 
 class UserError(Exception):
@@ -36,7 +37,7 @@ def _f(default, help, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     config: Optional[str] = _f(None, "YAML file with any of these fields as keys; flags win over it")
     model: str = _f("mlp", f"model: one of {', '.join(MODELS)}, or module:function returning a "
@@ -53,13 +54,13 @@ class Config:
     loss: Optional[str] = _f(None, "Keras loss name (mse, binary_crossentropy, ...); default: the "
                                    "compiled loss, else sparse categorical crossentropy; crossentropies "
                                    "take from_logits from the model's output activation")
-    metrics: Optional[tuple] = _f(None, "Keras metric names; default: the compiled metrics, else "
-                                        "accuracy", nargs="*", item=str)
+    metrics: Optional[Tuple[str, ...]] = _f(None, "Keras metric names; default: the compiled metrics, else "
+                                                  "accuracy")
     num_classes: Optional[int] = _f(None, "classes, for the built-in models and a model function that takes "
                                           "num_classes; default: counted in the labels (one pass over the data)")
-    class_weight: tuple = _f((), "each class's weight in the loss, Keras' fit(class_weight=): "
-                                 "--class-weight 0=1 1=5 (YAML and hvdtrain.fit: {0: 1, 1: 5}); "
-                                 "default: none", nargs="*", item=str, pairs=True)
+    class_weight: Tuple[Tuple[int, float], ...] = _f((), "each class's weight in the loss, Keras' "
+                                                         "fit(class_weight=): --class-weight 0=1 1=5 (YAML "
+                                                         "and hvdtrain.fit: {0: 1, 1: 5}); default: none")
     callbacks: Optional[str] = _f(None, "module:function returning a list of Keras callbacks (they see the "
                                         "metrics of all workers; those that write files run on rank 0)")
     warmup_epochs: float = _f(1.0, "epochs of linear warm-up from lr to lr x workers (0: none)")
@@ -72,7 +73,7 @@ class Config:
                                           f"validation set; default: {BUILT_IN_VAL_SPLIT} for the "
                                           "built-in data sets, none for yours (0: none)")
     shuffle: bool = _f(True, "reshuffle the training data every epoch (same order on every rank)")
-    synthetic_shape: tuple = _f((32, 32, 3), "input shape of the synthetic source", nargs=3)
+    synthetic_shape: Tuple[int, int, int] = _f((32, 32, 3), "input shape of the synthetic source")
     synthetic_classes: int = _f(10, "classes of the synthetic source")
     synthetic_samples: int = _f(2048, "samples of the synthetic source")
     threads: int = _f(0, "intra-op threads per CPU worker (0: cores / workers on this host)")
@@ -110,17 +111,17 @@ class Config:
     precision: str = _f("float32", f"compute precision: {', '.join(PRECISIONS)}")
     # learning-rate schedule after warm-up
     lr_schedule: str = _f("constant", f"after warm-up: {', '.join(SCHEDULES)}")
-    lr_decay_epochs: tuple = _f((), "step schedule: epochs at which the lr is multiplied by "
-                                    "lr_decay_factor", nargs="*")
+    lr_decay_epochs: Tuple[int, ...] = _f((), "step schedule: epochs at which the lr is multiplied by "
+                                              "lr_decay_factor")
     lr_decay_factor: float = _f(0.1, "step schedule: multiplier at each of lr_decay_epochs")
     # stopping and best model, decided on metrics averaged over all workers
     early_stopping_patience: int = _f(0, "stop after N epochs without improvement of monitor (0: off)")
     monitor: str = _f("val_loss", "metric for early stopping and best-model keeping")
     keep_best: bool = _f(True, "save output_dir/best.weights.h5 whenever monitor improves (rank 0)")
-    preemption_signals: tuple = _f(("TERM",), "signals that stop every worker at the same next step, after a "
-                                              "step checkpoint, with exit status 75 (the same command resumes); "
-                                              "e.g. TERM USR1 (Slurm's --signal=USR1@120); none: off",
-                                   nargs="*", item=str)
+    preemption_signals: Tuple[str, ...] = _f(("TERM",), "signals that stop every worker at the same next step, "
+                                                        "after a step checkpoint, with exit status 75 (the same "
+                                                        "command resumes); e.g. TERM USR1 (Slurm's "
+                                                        "--signal=USR1@120); none: off")
     hang_frozen_seconds: float = _f(45.0, "name a rank whose process has not answered for this long (stopped, "
                                           "or stuck in the kernel), then end the job with exit status 75 (the "
                                           "same command resumes from the last checkpoint); 0: off")
@@ -168,7 +169,6 @@ class Config:
             raise UserError(f"--metrics takes Keras metric names, got {list(self.metrics)}")
         if self.loss is not None and not self.loss:
             raise UserError("--loss takes a Keras loss name, e.g. mse or binary_crossentropy")
-        self.class_weights()
         if self.threads < 0:
             raise UserError(f"--threads must be >= 0, got {self.threads}")
         if any(d <= 0 for d in self.synthetic_shape):
@@ -233,20 +233,9 @@ class Config:
             raise UserError(f"unknown data source {self.data!r}; choose one of {', '.join(DATA_SOURCES)}")
         return self
 
-    def class_weights(self) -> Optional[dict]:
-        """--class-weight as Keras' fit takes it, {class index: weight}; None when not given."""
-        weights = {}
-        for pair in self.class_weight:
-            k, sep, v = pair.partition("=")
-            try:
-                k, v = int(k), float(v)
-            except ValueError:
-                k = None
-            if not sep or k is None or k < 0 or not v >= 0 or k in weights:
-                raise UserError(f"--class-weight takes CLASS=WEIGHT pairs, one per class (a class index "
-                                f">= 0, a weight >= 0), e.g. --class-weight 0=1 1=5; got {pair!r}")
-            weights[k] = v
-        return weights or None
+    def class_weights(self) -> Optional[Dict[int, float]]:
+        """class_weight as Keras' fit takes it, {class index: weight}; None when not given."""
+        return dict(self.class_weight) or None
 
     @property
     def run_dir(self) -> str:
@@ -257,10 +246,9 @@ class Config:
         return os.path.join("runs", f"{self.model.replace(':', '_')}-{tag}")
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["synthetic_shape"] = list(self.synthetic_shape)
-        d["lr_decay_epochs"] = list(self.lr_decay_epochs)
-        d["metrics"] = None if self.metrics is None else list(self.metrics)
+        """As JSON keeps it (lists, a mapping for class_weight), and as from_dict takes it back."""
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        d["class_weight"] = self.class_weights() or {}
         return d
 
     @property
@@ -303,29 +291,23 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(prog="hvdtrain") -> argparse.ArgumentParser:
+    """A flag per field, its kind from the field's type: a switch for a bool, N values for a tuple."""
     p = _Parser(prog=prog, description="Data-parallel Keras training on Horovod. Run it alone, or "
                 "under horovodrun/mpirun for several workers.", argument_default=argparse.SUPPRESS)
     for f in dataclasses.fields(Config):
-        text = f.metadata["help"]
+        text, hint = f.metadata["help"], _not_none(HINTS[f.name])
         kw = {"help": text if "default:" in text else f"{text} (default: {f.default})"}
-        if f.type in ("bool", bool, "Optional[bool]", Optional[bool]):
+        if f.name in SPECIAL:
+            kw["nargs"] = "*"
+        elif hint is bool:
             kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(hint) is tuple:
+            items = typing.get_args(hint)
+            kw["nargs"], kw["type"] = "*" if items[-1] is Ellipsis else len(items), items[0]
         else:
-            kw["type"] = _field_type(f)
-            if "nargs" in f.metadata:
-                kw["nargs"] = f.metadata["nargs"]
-                kw["type"] = f.metadata.get("item", int)
+            kw["type"] = hint
         p.add_argument(f"--{_flag(f.name)}", dest=f.name, **kw)
     return p
-
-
-def _field_type(f):
-    t = str(f.type)
-    if "int" in t:
-        return int
-    if "float" in t:
-        return float
-    return str
 
 
 def load(argv=None) -> Config:
@@ -345,52 +327,93 @@ _KERAS_FIT = {
 
 
 def from_dict(values: dict) -> Config:
-    known = {f.name: f for f in dataclasses.fields(Config)}
+    """A Config from values as flags, YAML or hvdtrain.fit give them, each coerced to its field's type."""
     kwargs = {}
     for key, value in values.items():
         name = key.replace("-", "_")
         if name in _KERAS_FIT:
             raise UserError(_KERAS_FIT[name])
-        if name not in known:
-            raise UserError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
-        kwargs[name] = _coerce(known[name], value, key)
+        if name not in HINTS:
+            raise UserError(f"unknown config key {key!r}; known keys: {', '.join(sorted(HINTS))}")
+        try:
+            kwargs[name] = SPECIAL.get(name, _coerce)(HINTS[name], value)
+        except (TypeError, ValueError):
+            raise UserError(f"config key {key!r}: expected {_describe(HINTS[name])}, got {value!r}") from None
     return Config(**kwargs)
 
 
-def _coerce(f, value, key):
-    t = str(f.type)
-    if value is None and "Optional" in t:
-        return None
-    try:
-        if "tuple" in t:
-            if f.metadata.get("pairs") and isinstance(value, dict):
-                value = [f"{k}={v}" for k, v in value.items()]  # YAML `class_weight: {0: 1, 1: 5}`
-            if isinstance(value, str) and f.metadata.get("item") is str:
-                value = [value]  # YAML `metrics: accuracy`
-            if not isinstance(value, (list, tuple)):
-                raise ValueError
-            item = f.metadata.get("item", int)
-            if item is str and not all(isinstance(v, str) for v in value):
-                raise ValueError
-            return tuple(item(v) for v in value)
-        if "bool" in t:
-            if not isinstance(value, bool):
-                raise ValueError
-            return value
-        if "int" in t:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value)
-        if "float" in t:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+def _coerce(hint, value, item=False):
+    """`value` as the type `hint` says (Optional[X], Tuple[X, ...], Tuple[X, Y], bool, int, float, str);
+    ValueError where it is not one. No bool passes for a number, no fraction for an int, and a number
+    passes for a string only as a field's whole value (YAML `output_dir: 2024`), not in a list."""
+    if typing.get_origin(hint) is typing.Union:  # Optional[X]
+        return None if value is None else _coerce(_not_none(hint), value)
+    if typing.get_origin(hint) is tuple:
+        items = typing.get_args(hint)
+        if isinstance(value, str):
+            value = [value]  # YAML `metrics: accuracy`, one value for a list
+        if not isinstance(value, (list, tuple)):
             raise ValueError
+        items = items[:1] * len(value) if items[-1] is Ellipsis else items
+        if len(items) != len(value):
+            raise ValueError
+        return tuple(_coerce(t, v, item=True) for t, v in zip(items, value))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError
+        return value
+    if isinstance(value, bool) or (hint is not str and not isinstance(value, (int, float, str))):
+        raise ValueError
+    if hint is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return int(value)
+    if hint is float:
+        return float(value)
+    if hint is str and (isinstance(value, str) or not item):
         return str(value)
-    except (TypeError, ValueError):
-        want = t.replace("Optional[", "").rstrip("]")
-        raise UserError(f"config key {key!r}: expected {want}, got {value!r}") from None
+    raise ValueError
+
+
+def _class_weight(hint, value) -> tuple:
+    """{class: weight} (YAML, hvdtrain.fit, a summary's config) or CLASS=WEIGHT strings (flags), as
+    (class, weight) pairs: a class index >= 0 once, a weight >= 0."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        pairs = [v.partition("=")[::2] if isinstance(v, str) and "=" in v else (v, None) for v in value]
+    else:
+        raise ValueError
+    weights = {}
+    for k, v in pairs:
+        try:
+            c, w = int(k), float(v)
+        except (TypeError, ValueError):
+            c, w = None, None
+        if c is None or isinstance(k, (bool, float)) or c < 0 or not w >= 0 or c in weights:
+            raise UserError(f"--class-weight takes CLASS=WEIGHT pairs, one per class (a class index >= 0, a "
+                            f"weight >= 0), e.g. --class-weight 0=1 1=5; got {k if v is None else f'{k}={v}'!r}")
+        weights[c] = w
+    return tuple(weights.items())
+
+
+def _not_none(hint):
+    """X of Optional[X]; any other type as it is."""
+    if typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _describe(hint) -> str:
+    hint = _not_none(hint)
+    if typing.get_origin(hint) is tuple:
+        items = typing.get_args(hint)
+        return f"a list of {_describe(items[0])}" if items[-1] is Ellipsis else f"{len(items)} x {_describe(items[0])}"
+    return hint.__name__
+
+
+HINTS = typing.get_type_hints(Config)  # every field's real type: the flags and the coercion follow it
+SPECIAL = {"class_weight": _class_weight}  # the fields a type alone cannot read
 
 
 def _read_yaml(path: str) -> dict:

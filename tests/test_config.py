@@ -1,6 +1,7 @@
 """The config: defaults < YAML < flags, every field documented, every bad value one clear error."""
 import dataclasses
 import os
+import re
 
 import pytest
 
@@ -73,6 +74,37 @@ def test_class_weight_is_the_same_mapping_from_flags_yaml_and_the_python_api(tmp
     for bad in (["0=1", "1=x"], ["0:1"], ["0=-1"], ["0=1", "0=2"], ["0=nan"], {-1: 2}, {"a": 1}):
         with pytest.raises(UserError, match="--class-weight takes CLASS=WEIGHT pairs"):
             config.from_dict({"class_weight": bad}).validate()
+
+
+def test_a_config_written_to_json_reads_back_as_the_same_config():
+    """A checkpoint and summary.json keep the config as JSON (lists, class_weight as a mapping with its
+    keys as strings): read back, every field has its type again."""
+    import json
+
+    cfg = config.load(["--class-weight", "0=1", "1=5", "--metrics", "accuracy", "auc", "--synthetic-shape", "4",
+                       "4", "1", "--lr-schedule", "step", "--lr-decay-epochs", "3", "6", "--preemption-signals"])
+    saved = json.loads(json.dumps(cfg.to_dict()))
+    assert saved["class_weight"] == {"0": 1.0, "1": 5.0} and saved["synthetic_shape"] == [4, 4, 1]
+    assert config.from_dict(saved) == cfg and cfg.preemption_signals == () and cfg.metrics == ("accuracy", "auc")
+
+
+def test_the_config_is_resolved_once_and_cannot_change_after():
+    cfg = config.load(["--epochs", "3"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.epochs = 4
+    assert dataclasses.replace(cfg, epochs=4).epochs == 4 and cfg.epochs == 3
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"synthetic_shape": [4, 4]}, "'synthetic_shape': expected 3 x int, got [4, 4]"),
+    ({"lr_decay_epochs": ["a"]}, "'lr_decay_epochs': expected a list of int"),
+    ({"metrics": [1]}, "'metrics': expected a list of str"),
+    ({"epochs": 2.5}, "'epochs': expected int, got 2.5"),
+    ({"lr": True}, "'lr': expected float, got True"),
+])
+def test_each_value_is_read_by_its_fields_type(values, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        config.from_dict(values)
 
 
 @pytest.mark.stacks

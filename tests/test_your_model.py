@@ -115,7 +115,7 @@ def test_class_weight_trains_exactly_as_the_same_weights_given_per_sample(tmp_pa
     common = ("--model", "user_models:binary", "--epochs", "2", "--seed", "3")
     s = train(2, "mpirun", tmp_path / "flag", *common, "--data", "user_data:breast_cancer",
               "--class-weight", "0=3", "1=0.5")
-    assert s["config"]["class_weight"] == ["0=3", "1=0.5"]
+    assert s["config"]["class_weight"] == {"0": 3.0, "1": 0.5}
     train(2, "mpirun", tmp_path / "samples", *common, "--data", "user_data:breast_cancer_weighted")
     train(2, "mpirun", tmp_path / "none", *common, "--data", "user_data:breast_cancer")
     weights = {run: _saved(tmp_path / run).get_weights() for run in ("flag", "samples", "none")}

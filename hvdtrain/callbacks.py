@@ -73,7 +73,15 @@ def _scalar(v) -> float:
 
 
 def make(cfg, data, world_size: int, chief: bool):
-    """(EpochEnd, Progress or None): made here so that tf.keras is imported only when training."""
+    """(EpochEnd, Progress or None). Their classes are made in functions, so that tf.keras is imported
+    only when training (a bad flag fails before any worker imports TensorFlow)."""
+    epoch_end = _epoch_end_class(data)()
+    if chief and cfg.verbose:
+        epoch_end.progress = _progress_class(cfg, data, world_size)(epoch_end)
+    return epoch_end, epoch_end.progress
+
+
+def _epoch_end_class(data):
     import tensorflow as tf
 
     class EpochEnd(tf.keras.callbacks.Callback):
@@ -129,11 +137,17 @@ def make(cfg, data, world_size: int, chief: bool):
             seconds = self.epoch_seconds[1:] if len(self.epoch_seconds) > 1 else self.epoch_seconds
             return len(seconds) * data.steps_per_epoch * data.batch_size / sum(seconds) if seconds else 0.0
 
+    return EpochEnd
+
+
+def _progress_class(cfg, data, world_size: int):
+    import tensorflow as tf
+
     class Progress(tf.keras.callbacks.Callback):
         """Rank 0's progress: plain lines (every --log-every seconds, and one per epoch) when its
         output is a pipe or a launcher's (horovodrun, mpirun), a bar when it is a terminal."""
 
-        def __init__(self, epoch_end: EpochEnd):
+        def __init__(self, epoch_end):
             super().__init__()
             self.epoch_end = epoch_end
             self.tty = sys.stdout.isatty() and not runtime.under_launcher()
@@ -186,10 +200,7 @@ def make(cfg, data, world_size: int, chief: bool):
         def on_train_end(self, logs=None):
             self.stop.set()
 
-    epoch_end = EpochEnd()
-    if chief and cfg.verbose:
-        epoch_end.progress = Progress(epoch_end)
-    return epoch_end, epoch_end.progress
+    return Progress
 
 
 def _fmt(logs) -> str:

@@ -250,7 +250,17 @@ def update_checkpoint_state(directory: str, path: str, kept: list):
 
 # ---------------------------------------------------------------- tf.data's pipeline, stage by stage
 # A tf.data.Dataset object knows the stage it is (its class: _MapDataset, _BatchDataset, ...) and the
-# dataset it reads; TensorFlow has no public API for either. data.py reads pipelines through these.
+# dataset it reads; TensorFlow has no public API for either. data/pipeline.py reads pipelines through these.
+
+# tf.data's Python classes, by what they do to the elements that pass through (TensorFlow 2.15-2.21)
+ONE_TO_ONE = {"_MapDataset", "_ParallelMapDataset", "_PrefetchDataset", "_ShuffleDataset",
+              "_OptionsDataset", "CacheDataset", "_AssertCardinalityDataset"}
+KEEP_BATCHING = ONE_TO_ONE | {"_FilterDataset", "_TakeDataset", "_SkipDataset", "_RepeatDataset",
+                              "_ShardDataset", "_IgnoreErrorsDataset", "_TakeWhileDataset"}
+BATCHERS = {"_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset", "_RebatchDataset",
+            "_DenseToRaggedDataset", "_DenseToSparseBatchDataset"}
+UNBATCH = "_UnbatchDataset"
+REBUILT = {"_MapDataset", "_ParallelMapDataset", "_PrefetchDataset", "_BatchDataset"}  # skip_cheaply redoes
 
 def stage(ds) -> str:
     """The kind of stage `ds` is: its class's name (_MapDataset, _BatchDataset, TFRecordDatasetV2...)."""

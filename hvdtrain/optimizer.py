@@ -145,8 +145,7 @@ def distributed(opt, cfg: Config):
         average_aggregated_gradients=True,
         sparse_as_dense=cfg.sparse_as_dense,
         num_groups=cfg.allreduce_groups)
-    _reduce_in_apply_too(dist)
-    _allreduce_traced_as_written(dist)
+    _Keras2Patches(dist)
     return dist
 
 
@@ -183,7 +182,7 @@ def _distributed_keras3(opt, cfg: Config):
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         variables = list(trainable_variables if trainable_variables is not None else compat.built_for(self))
-        # traced as written: no AutoGraph over Horovod's Python (see _allreduce_traced_as_written)
+        # traced as written: no AutoGraph over Horovod's Python (see _Keras2Patches)
         return base.apply(self, reduce(grads, variables), trainable_variables)
 
     cls = type(f"Distributed{base.__name__}", (base,), {"apply": apply, "user_class": base,
@@ -197,38 +196,44 @@ def _signalling(allreduce):
     return watchdog.arrivals().counting(preemption.flag().along_with(allreduce))
 
 
-def _allreduce_traced_as_written(opt):
-    """Horovod wraps its allreduce of the gradients in a tf.function with AutoGraph on, so every trace
-    of the step converts Horovod's Python, gradient by gradient: 1.2 of the 2.0 s of a 2-worker cnn's
-    first epoch, 3.5 s of ResNet-50's (measured). That Python branches on Python values only (its
-    conditions are tf.cond already), so traced as written it builds the same ops, without the cost."""
-    import tensorflow as tf
+class _Keras2Patches:
+    """What hvdtrain changes in Horovod 0.28.1's Keras 2 DistributedOptimizer, in one place and order.
 
-    reduce = _signalling(compat.horovod_allreduce_grads(opt).python_function)
-    compat.set_horovod_allreduce_grads(opt, tf.function(reduce, autograph=False))
+    Horovod makes that optimizer's class on the fly, and its methods call `super(self.__class__, self)`:
+    a subclass of it would recurse into itself, so (unlike the Keras 3 `Distributed` class above) the
+    changes are made to the one instance, here, and this object holds their state:
 
+    1. the gradients' allreduce traced as written. Horovod wraps it in a tf.function with AutoGraph on,
+       so every trace of the step converts Horovod's Python, gradient by gradient: 1.2 of the 2.0 s of a
+       2-worker cnn's first epoch, 3.5 s of ResNet-50's (measured). That Python branches on Python values
+       only (its conditions are tf.cond already), so traced as written it builds the same ops, without
+       the cost. It also carries the preemption flag and the watchdog's count (_signalling).
+    2. apply_gradients reduces too, when compute_gradients did not in this step. Horovod allreduces in
+       compute_gradients, which Keras' own train_step reaches through minimize(); a custom train_step
+       that calls apply_gradients itself (the keras.io pattern) would update every rank with its own
+       gradients: with TensorFlow 2.15 the ranks' weights silently diverge (measured). `reduced` is
+       set while tracing, which is when this Python runs: once per traced step.
+    """
 
-def _reduce_in_apply_too(opt):
-    """Horovod allreduces in compute_gradients, which Keras' own train_step reaches through minimize().
-    A custom train_step that calls apply_gradients itself (the keras.io pattern) would update every
-    rank with its own gradients: with Horovod 0.28.1 and TensorFlow 2.15 the ranks' weights silently
-    diverge (measured). So apply_gradients reduces too, when compute_gradients did not in this step.
-    The flag is set while tracing, which is when this Python runs: once per traced step."""
-    compute, apply = opt.compute_gradients, opt.apply_gradients
-    reduced = []
+    def __init__(self, dist):
+        import tensorflow as tf
 
-    def compute_gradients(*args, **kwargs):
-        reduced.append(True)
-        return compute(*args, **kwargs)
+        self.dist, self.reduced = dist, []
+        self.compute, self.apply = dist.compute_gradients, dist.apply_gradients
+        reduce = _signalling(compat.horovod_allreduce_grads(dist).python_function)
+        compat.set_horovod_allreduce_grads(dist, tf.function(reduce, autograph=False))
+        dist.compute_gradients, dist.apply_gradients = self.compute_gradients, self.apply_gradients
 
-    def apply_gradients(grads_and_vars, *args, **kwargs):
-        if not reduced:
+    def compute_gradients(self, *args, **kwargs):
+        self.reduced.append(True)
+        return self.compute(*args, **kwargs)
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        if not self.reduced:
             grads, variables = zip(*list(grads_and_vars))
-            grads_and_vars = list(zip(compat.horovod_allreduce(opt, grads, variables), variables))
-        reduced.clear()
-        return apply(grads_and_vars, *args, **kwargs)
-
-    opt.compute_gradients, opt.apply_gradients = compute_gradients, apply_gradients
+            grads_and_vars = list(zip(compat.horovod_allreduce(self.dist, grads, variables), variables))
+        self.reduced.clear()
+        return self.apply(grads_and_vars, *args, **kwargs)
 
 
 def _compression(cfg: Config):

@@ -44,7 +44,7 @@ class _Flag:
 
         def reduce(grads, variables):
             grads, variables = list(grads), list(variables)
-            # Horovod's is a tf.function with AutoGraph: traced as written (optimizer._allreduce_traced_as_written)
+            # Horovod's is a tf.function with AutoGraph: traced as written (optimizer._Keras2Patches)
             fn = allreduce if tf.executing_eagerly() else getattr(allreduce, "python_function", allreduce)
             out = fn(grads + [self.requested.read_value()], variables + [self.agreed])
             self.agreed.assign(out[-1])

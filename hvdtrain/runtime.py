@@ -246,8 +246,8 @@ _alone = False
 
 @contextlib.contextmanager
 def alone():
-    """gather() answers for this rank alone: an elastic worker may be joining a running job, and must
-    not call a collective before hvd.elastic.run has synced it with the others."""
+    """gather() and all_ranks_agree() answer for this rank alone: an elastic worker may be joining a
+    running job, and must not call a collective before hvd.elastic.run has synced it with the others."""
     global _alone
     _alone = True
     try:
@@ -278,7 +278,7 @@ def all_ranks_agree(fn, *args, **kwargs):
     except Exception as e:  # a bug or an environment problem: keep its traceback in this rank's log
         log.exception("set-up failed on rank %d", _world.rank, extra=FILE_ONLY)
         error = f"{type(e).__name__}: {e}"
-    if _world.size == 1:
+    if _world.size == 1 or _alone:
         if error:
             raise UserError(error)
         return result

@@ -49,6 +49,17 @@ def launch(np_, launcher, argv, timeout=300, env=None):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def start(np_, launcher, argv, env=None, **popen):
+    """Start a job and return at once (a test that signals, kills or watches it); output as launch's."""
+    return subprocess.Popen(command(np_, launcher, argv), cwd=ROOT, env=job_env(env), text=True,
+                            **{"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **popen})
+
+
+def error_lines(output: str) -> list:
+    """hvdtrain's one-line errors in a job's output (under horovodrun, with its rank prefix)."""
+    return [l for l in output.splitlines() if "hvdtrain: error:" in l]
+
+
 def train(np_, launcher, out_dir, *flags, timeout=300):
     """Train with hvdtrain and return its summary.json."""
     argv = ["-m", "hvdtrain", "--output-dir", str(out_dir), "--verbose", "0", "--no-tensorboard", *flags]

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from conftest import KERAS3, ROOT, launch
+from conftest import error_lines, KERAS3, launch, ROOT
 
 
 
@@ -88,7 +88,7 @@ def test_bad_input_fails_fast_with_one_clear_line(case, np_, launcher, yaml_file
     # a hang would run into the timeout and fail the test
     proc = launch(np_, launcher, ["-m", "hvdtrain", "--output-dir", str(tmp_path / "run"), *flags], timeout=90)
     assert proc.returncode != 0
-    ours = [l for l in proc.stdout.splitlines() if "hvdtrain: error:" in l]
+    ours = error_lines(proc.stdout)
     assert len(ours) == 1, proc.stdout[-3000:]  # rank 0 alone says it
     assert message in ours[0], ours[0]
     if launcher is None:
@@ -109,6 +109,6 @@ def test_failure_on_one_rank_only_ends_every_rank_with_rank0_naming_it(launcher,
     proc = launch(2, launcher, ["-m", "hvdtrain", "--data", "userdata:fails_on_rank_1",
                                 "--output-dir", str(tmp_path)], timeout=120)
     assert proc.returncode != 0
-    ours = [l for l in proc.stdout.splitlines() if "hvdtrain: error:" in l]
+    ours = error_lines(proc.stdout)
     assert len(ours) == 1, proc.stdout[-3000:]
     assert "FileNotFoundError: /data/shard-1.tfrecord (on rank 1)" in ours[0]

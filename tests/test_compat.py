@@ -22,7 +22,7 @@ def _all_dataset_classes():
 
 
 def _stages():
-    """Each stage data.py names, made as a pipeline makes it."""
+    """Each stage hvdtrain names (compat.py), made as a pipeline makes it."""
     ds = tf.data.Dataset.range(8)
     options = tf.data.Options()
     options.threading.max_intra_op_parallelism = 1
@@ -44,15 +44,15 @@ def _stages():
     }
 
 
-def test_every_stage_a_pipeline_makes_is_one_data_py_knows():
+def test_every_stage_a_pipeline_makes_is_one_hvdtrain_knows():
     """A batching stage is known as one (however this TensorFlow implements ragged batching), a
     one-to-one stage as one, and so on: a renamed class fails here, not as a wrong shard or count."""
-    kinds = {"batch": data._BATCHERS, "keep": data._KEEP_BATCHING, "one": data._ONE_TO_ONE}
+    kinds = {"batch": compat.BATCHERS, "keep": compat.KEEP_BATCHING, "one": compat.ONE_TO_ONE}
     unknown = {name: compat.stage(d) for name, d in _stages().items()
                if compat.stage(d) not in kinds[_KIND.get(name, "keep")] | {name}
-               or (name in data._BATCHERS) != (compat.stage(d) in data._BATCHERS)}
-    assert unknown == {}, f"tf.data {tf.__version__}: stages data.py does not know as such"
-    gone = (data._ONE_TO_ONE | data._KEEP_BATCHING | data._BATCHERS) - _all_dataset_classes()
+               or (name in compat.BATCHERS) != (compat.stage(d) in compat.BATCHERS)}
+    assert unknown == {}, f"tf.data {tf.__version__}: stages hvdtrain does not know as such"
+    gone = (compat.ONE_TO_ONE | compat.KEEP_BATCHING | compat.BATCHERS) - _all_dataset_classes()
     allowed = {"_DenseToRaggedDataset"}  # TensorFlow 2.18 batches ragged with _BatchDataset
     assert gone <= allowed, f"tf.data {tf.__version__} has no stage named {sorted(gone - allowed)}"
 

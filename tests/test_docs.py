@@ -3,7 +3,6 @@ are read from the files (tests/doc_commands.py), so an edited command is the com
 naming host1/host2 run on the netns hosts in tests/test_multihost.py."""
 import subprocess
 
-import pytest
 
 from conftest import ROOT, job_env
 from doc_commands import NOT_RUN, all_commands, names_hosts, shell, small

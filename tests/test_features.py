@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, command, job_env, launch, train
+from conftest import error_lines, launch, start, train
 
 FAST = ("--model", "mlp", "--data", "digits", "--steps-per-epoch", "6")
 EXACT = FAST + ("--optimizer", "sgd", "--warmup-epochs", "0", "--seed", "3")
@@ -31,9 +31,8 @@ def test_killed_and_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(tm
     flags = FAST + ("--epochs", "10")
     straight = train(2, "mpirun", tmp_path / "straight", *flags)
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(command(2, "mpirun", ["-m", "hvdtrain", "--output-dir", str(run_dir), *flags]),
-                            cwd=ROOT, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = start(2, "mpirun", ["-m", "hvdtrain", "--output-dir", str(run_dir), *flags],
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     index = run_dir / "checkpoints" / "checkpoint"
     deadline = time.monotonic() + 120
     while not index.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -155,7 +154,7 @@ def test_nan_loss_on_one_worker_stops_every_worker_at_the_same_step(launcher, tm
                                 "--model", "userdata:tiny_model",
                                 "--batch-size", "8", "--output-dir", str(tmp_path)], timeout=120)
     assert proc.returncode != 0
-    ours = [l for l in proc.stdout.splitlines() if "hvdtrain: error:" in l]
+    ours = error_lines(proc.stdout)
     assert len(ours) == 1 and "NaN or infinite at epoch 1, step 1" in ours[0], proc.stdout[-3000:]
 
 

@@ -6,12 +6,11 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
 
-from conftest import ROOT, command, job_env, launch, pid_of_rank, processes_of
+from conftest import launch, pid_of_rank, processes_of, start
 from hvdtrain.watchdog import Peer, stuck_bound, verdict
 
 EPOCHS_OF_20_STEPS = ["--model", "mlp", "--data", "digits", "--steps-per-epoch", "20", "--verbose", "0",
@@ -19,9 +18,7 @@ EPOCHS_OF_20_STEPS = ["--model", "mlp", "--data", "digits", "--steps-per-epoch",
 
 
 def _start(launcher, out, *flags):
-    return subprocess.Popen(command(2, launcher, ["-m", "hvdtrain", "--output-dir", str(out), *flags]), cwd=ROOT,
-                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return start(2, launcher, ["-m", "hvdtrain", "--output-dir", str(out), *flags], start_new_session=True)
 
 
 def _finish(proc, timeout):

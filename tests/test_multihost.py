@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, job_env
+from conftest import BIN, error_lines, job_env, PYTHON, ROOT
 
 pytestmark = pytest.mark.multihost
 
@@ -82,7 +82,6 @@ def check_summary(out_dir, proc):
     assert summary["world_size"] == 4
     assert sorted(set(summary["hosts"])) == ["node1", "node2"], summary["hosts"]
     digests = summary["weights_sha256_by_rank"]
-    digests = list(digests.values()) if isinstance(digests, dict) else list(digests)
     assert len(digests) == 4 and len(set(digests)) == 1, digests
     return summary
 
@@ -184,7 +183,7 @@ def test_hosts_check_names_the_host_whose_sshd_is_down(cluster):
     finally:
         subprocess.run([str(CLUSTER), "sshd-start", "node2"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0, proc.stdout + proc.stderr
-    errors = [l for l in proc.stderr.splitlines() if l.startswith("hvdtrain: error:")]
+    errors = error_lines(proc.stderr)
     assert len(errors) == 1, proc.stderr
     assert errors[0].startswith("hvdtrain: error: node2: not reachable over ssh"), errors
     assert "Connection refused" in errors[0], errors

@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from conftest import PYTHON, ROOT, command, job_env, launch
+from conftest import launch, PYTHON, start
 
 SMALL = ["--model", "userdata:tiny_model", "--epochs", "3", "--batch-size", "16", "--lr", "0.05", "--verbose", "0",
          "--no-tensorboard", "--checkpoint-every-steps", "0", "--callbacks", "userdata:signal_self"]
@@ -67,8 +67,7 @@ def test_sigterm_to_every_worker_mid_epoch_exits_75_with_a_checkpoint_of_that_st
     flags = ["--model", "mlp", "--data", "synthetic", "--synthetic-shape", "8", "8", "1", "--synthetic-samples",
              "40000", "--batch-size", "16", "--epochs", "3", "--val-split", "0.05", "--no-tensorboard",
              "--verbose", "0", "--checkpoint-every-steps", "0", "--output-dir", str(tmp_path)]
-    job = subprocess.Popen(command(2, launcher, ["-m", "hvdtrain", *flags]), cwd=ROOT, env=job_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = start(2, launcher, ["-m", "hvdtrain", *flags])
     deadline = time.time() + 240
     while not (tmp_path / "checkpoints" / "ckpt-1.index").exists():
         assert time.time() < deadline and job.poll() is None, job.communicate()[0][-3000:]

@@ -2,7 +2,6 @@
 import os
 import re
 import signal
-import subprocess
 import time
 
 import numpy as np
@@ -10,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import KERAS3, ROOT, command, job_env, launch, pid_of_rank, processes_of, train
+from conftest import KERAS3, launch, pid_of_rank, processes_of, start, train
 from hvdtrain import config, hosts
 from hvdtrain.config import UserError
 
@@ -19,9 +18,7 @@ LONG = ("--model", "mlp", "--data", "digits", "--epochs", "500", "--steps-per-ep
 
 
 def _start(launcher, out, *extra):
-    return subprocess.Popen(command(2, launcher, ["-m", "hvdtrain", "--output-dir", str(out), *LONG, *extra]),
-                            cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return start(2, launcher, ["-m", "hvdtrain", "--output-dir", str(out), *LONG, *extra], start_new_session=True)
 
 
 @pytest.mark.parametrize("launcher", ["gloo", "mpi", "mpirun"])

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conftest import KERAS3, ROOT, launch, train
+from conftest import error_lines, KERAS3, launch, ROOT, train
 
 FAST = ("--model", "mlp", "--data", "digits", "--steps-per-epoch", "4")
 
@@ -71,7 +71,7 @@ def test_a_loss_that_does_not_fit_the_labels_is_one_line_naming_the_op_not_lost_
     proc = _hvdtrain(2, launcher, tmp_path, "--model", "user_models:two_classes", "--data", "digits",
                      "--epochs", "1", "--verbose", "0")
     assert proc.returncode != 0
-    lines = [l for l in proc.stdout.splitlines() if "hvdtrain: error" in l]
+    lines = error_lines(proc.stdout)
     assert len(lines) == 1, proc.stdout[-4000:]
     assert "InvalidArgumentError at " in lines[0]
     assert "SparseSoftmaxCrossEntropyWithLogits" in lines[0] or KERAS3 and "compile_loss" in lines[0]
@@ -98,7 +98,7 @@ def test_an_edited_model_names_the_variables_that_differ_and_the_remedy(tmp_path
     module.write_text(model.format(width=32))
     proc = _hvdtrain(1, None, tmp_path / "run", *flags, "--epochs", "2", env=env)
     assert proc.returncode == 2
-    error = [l for l in proc.stdout.splitlines() if "hvdtrain: error" in l]
+    error = error_lines(proc.stdout)
     assert len(error) == 1, proc.stdout[-3000:]
     assert "was written by a different model (edited since?)" in error[0]
     assert "hidden/kernel is (64, 16) there, (64, 32) here" in error[0]

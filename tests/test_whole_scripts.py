@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import launch, run_worker_script, train
+from conftest import error_lines, launch, run_worker_script, train
 
 pytestmark = pytest.mark.stacks
 
@@ -69,7 +69,7 @@ def test_a_second_script_on_the_first_phases_output_dir_is_told_it_is_another_ph
     proc = launch(2, "gloo", ["tests/workers/transfer_learning.py", "hvdtrain", str(tmp_path)],
                   env={"SECOND_SCRIPT": "1"})
     assert proc.returncode != 0
-    ours = [l for l in proc.stdout.splitlines() if "hvdtrain: error:" in l]
+    ours = error_lines(proc.stdout)
     assert len(ours) == 1 and not re.search(r"^\[\d\]<std(err|out)>:Traceback", proc.stdout, re.M), proc.stdout[-3000:]
     assert "was trained with 2 trainable weights where this model has 6" in ours[0]
     assert "another phase of training? Each hvdtrain.fit of one script on the same output_dir trains in its own " \

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import launch, train
+from conftest import error_lines, launch, train
 
 pytestmark = pytest.mark.stacks  # the user data contract: run on both stacks
 
@@ -34,7 +34,7 @@ def _summary(out):
 
 
 def _errors(proc):
-    return [l for l in proc.stdout.splitlines() if "hvdtrain: error:" in l]
+    return error_lines(proc.stdout)
 
 
 def test_own_tfrecord_schema_is_sharded_by_file_and_each_record_read_once_per_epoch(tmp_path):

@@ -190,10 +190,11 @@ def _train(strategy, peer, task, n, seed, epochs) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from .. import config, data
+    from .. import config
+    from ..data import arrays
 
     tf.keras.utils.set_random_seed(seed)
-    x, y, xv, yv = data._digits(config.Config(), None, True)
+    x, y, xv, yv = arrays.digits(config.Config(), None, True)
     sync = peer == "mwms"
     lr = LR * (n if sync or peer.endswith("lrxN") else 1)
     # the same samples per epoch as the synchronous peers: whole global batches of N x 32

@@ -1,0 +1,121 @@
+"""Step 5 of the recipe: the model compiled as its user compiled it (or as the flags say), with the
+learning rate scaled and the optimizer wrapped in Horovod's DistributedOptimizer (optimizer.py); the
+config resolved once, with the batch size and learning rate the job trains with."""
+from __future__ import annotations
+
+import dataclasses
+
+from . import callbacks as callbacks_lib
+from . import compat, models, optimizer, runtime
+from .config import Config, UserError
+from .runtime import log
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """What compile_for_training decided: for the fit loop, the summary and the log."""
+    learning_rate: object  # optimizer.LearningRate, or None (a compiled schedule runs as is)
+    optimizer: dict
+    loss: str
+    steps_per_execution: int
+    notes: list
+    callbacks: list  # the user's, those this rank runs
+
+    def peak_lr(self, cfg: Config, world) -> float | None:
+        lr = self.optimizer["lr"]
+        return None if lr is None else lr * optimizer.lr_multiplier(cfg, world)
+
+
+def compile_for_training(model, cfg: Config, world: runtime.World, data, callbacks: list):
+    """Compile `model` as its user did (or as the flags say), with the optimizer scaled and wrapped.
+    Returns (the config resolved: the batch size of the data, the one-worker lr it trains with;
+    Trainer). Callbacks that act per batch make Keras call them every step, as plain Keras does (1
+    step per call)."""
+    cfg = dataclasses.replace(cfg, batch_size=data.batch_size)
+    plan = models.compile_plan(model, cfg, data.steps_per_epoch, callbacks_lib.has_batch_hooks(callbacks))
+    _xla_only_where_horovod_has_it(plan, cfg, world)
+    again = optimizer.made(plan.optimizer)  # fit() again, not compiled since: Keras' optimizer goes on
+    if again is not None and again.settings == optimizer.settings(cfg):
+        dist, info, notes = plan.optimizer, again.info, []
+    else:
+        compiled = again.compiled if again is not None else plan.optimizer
+        opt, info, notes = optimizer.choose(cfg, compiled)
+        if again is not None:
+            notes.append("this fit() changes the optimizer's settings: its state (slots, step) starts afresh")
+        dist = optimizer.distributed(opt, cfg)
+        optimizer.remember(dist, compiled, cfg, info)
+    cfg = dataclasses.replace(cfg, lr=info["lr"] if info["lr"] is not None else cfg.lr)
+    model.compile(optimizer=dist, **plan.kwargs)
+    model.autotune_steps_per_execution = False  # Keras' compile leaves a user's "auto" tuner on
+    model.steps_per_execution = plan.steps_per_execution  # the compile config keeps the user's own
+    if cfg.reduction == "adasum":
+        optimizer.use_adasum(model, cfg, world)
+    learning_rate = optimizer.LearningRate(cfg, info["lr"]) if info["lr"] is not None else None
+    optimizer.wrap_train_step(model, learning_rate)
+    log.info("%s: loss %s; %s from %s, lr %s for one worker; %d step(s) per call", model.name, plan.loss,
+             info["class"], info["source"], "a schedule" if info["lr"] is None else f"{info['lr']:g}",
+             plan.steps_per_execution)
+    _refuse_data_without_targets(model, data.element_spec)
+    _build_loss_and_metrics(model, data.element_spec)
+    return cfg, Trainer(learning_rate, info, plan.loss, plan.steps_per_execution, plan.notes + notes, callbacks)
+
+
+def _xla_only_where_horovod_has_it(plan, cfg: Config, world: runtime.World):
+    """XLA compiles the whole step, Horovod's allreduce included, and Horovod 0.28.1 has XLA kernels for
+    its ops only on GPUs (behind HOROVOD_ENABLE_XLA_OPS=1, which --jit-compile sets): on CPU workers
+    the step fails to compile at the first batch, at one worker too (the allreduce sits in a cond)."""
+    if not plan.kwargs.get("jit_compile") or world.device.startswith("GPU"):
+        return
+    if cfg.jit_compile:
+        raise UserError("--jit-compile: XLA cannot compile Horovod's allreduce on CPU workers (Horovod has "
+                        "XLA kernels for GPUs only); drop --jit-compile")
+    plan.kwargs["jit_compile"] = False
+    plan.notes.append("the model was compiled with jit_compile=True: XLA is off, since it cannot compile "
+                      "Horovod's allreduce on CPU workers (Horovod has XLA kernels for GPUs only)")
+
+
+def _refuse_data_without_targets(model, element_spec):
+    """Keras' own train_step needs targets for a compiled loss. Without them Keras 2 says so inside the
+    first step and Keras 3 fails there with "None values not supported": say it before training."""
+    import tensorflow as tf
+
+    loss = compat.compile_config(model).get("loss")
+    if loss is None or type(model).train_step is not tf.keras.Model.train_step:
+        return
+    if tf.keras.utils.unpack_x_y_sample_weight(element_spec)[1] is None:
+        raise UserError(f"Target data is missing: the data give inputs only, and the model was compiled with "
+                        f"loss={models.describe(loss)}; return (x, y) pairs from the data")
+
+
+def _build_loss_and_metrics(model, element_spec):
+    """Keras builds the compiled loss and metrics inside the first step, and a tf.function whose first
+    trace creates variables is traced a second time: the whole step, twice (about 2 s of ResNet-50's
+    first epoch at 2 workers, measured). Built here, on one batch of zeros, the step is traced once.
+
+    Only for Keras' own train_step, compute_loss and compute_metrics, and only when the targets' and
+    weights' shapes are known beyond the batch, since Keras picks an accuracy (sparse, categorical,
+    binary) from them; an input's unknown length (padded sequences) is 1 here. Anything else, or a
+    model that refuses the zeros, is left to Keras, as before."""
+    import tensorflow as tf
+
+    own = all(getattr(type(model), m) is getattr(tf.keras.Model, m)
+              for m in ("train_step", "compute_loss", "compute_metrics"))
+    if not own or compat.own_loss_and_metrics_are_built(model) is not False:
+        return
+    x, y, w = tf.keras.utils.unpack_x_y_sample_weight(element_spec)  # y, w: None when absent
+
+    def specs(*parts):
+        return [s for s in tf.nest.flatten(parts) if s is not None]
+
+    if not all(type(s) is tf.TensorSpec and s.shape.rank for s in specs(x, y, w)) or not all(
+            s.shape[1:].is_fully_defined() for s in specs(y, w)):
+        return
+    x, y, w = tf.nest.map_structure(
+        lambda s: None if s is None else tf.zeros([1] + [d or 1 for d in s.shape[1:]], s.dtype), (x, y, w))
+    try:
+        y_pred = model(x, training=False)
+        model.compute_loss(x, y, y_pred, w)
+        model.compute_metrics(x, y, y_pred, w)
+    except Exception as e:  # noqa: BLE001 (only the second trace is at stake)
+        log.debug("the loss and metrics are left to the first step: %s", e)
+    model.reset_metrics()

@@ -1,0 +1,87 @@
+"""What every adapter makes (Data) and the order it reads in: seeded by (seed, epoch), the same on every
+rank, and rebuilt from any step of an epoch (a resume) without reading what came before."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+SPLIT_SEED = 0  # the train/validation split does not move with --seed, so runs stay comparable
+WINDOW = 10_000  # records shuffled together (a shuffle buffer's worth; rebuilt alone on resume)
+
+
+@dataclass
+class Data:
+    """What the trainer needs: this worker's training stream and the facts about it."""
+    epoch: Optional[Callable]  # (epoch, skip=0) -> batched dataset of this worker's shard; None: one stream
+    val: Any  # this worker's part of the validation set, batched (a tf.data.Dataset), or None
+    steps_per_epoch: int
+    batch_size: int  # per worker
+    element_spec: Any  # of one batch
+    num_samples: Optional[int]  # training samples in the whole data set (None: not counted)
+    sharding: str  # "element", "file", "batch", "yours" or "none"
+    num_classes: Optional[int] = None  # asked of the data for the built-in models only
+    continuous: Any = None  # a repeating or infinite pipeline, batched (a tf.data.Dataset)
+    notes: list = field(default_factory=list)  # lines rank 0 logs once
+    unrepeatable: Optional[str] = None  # why an epoch's order cannot be reproduced (None: it can)
+
+    def stream(self, first_epoch: int, epochs: int, skip: int = 0):
+        """Epochs first_epoch..epochs-1 back to back, for model.fit(steps_per_epoch=...); the first one
+        without its first `skip` steps (a run resumed inside an epoch)."""
+        import tensorflow as tf
+
+        if self.epoch is None:  # Keras keeps one iterator across epochs when steps are given
+            return self.continuous.prefetch(tf.data.AUTOTUNE)
+        ds = tf.data.Dataset.range(first_epoch + (1 if skip else 0), epochs).flat_map(self.epoch)
+        if skip:
+            ds = self.epoch(first_epoch, skip).concatenate(ds)
+        return ds.prefetch(tf.data.AUTOTUNE)
+
+    @property
+    def input_shape(self):
+        """The model's input shape, from the data: a tuple, or a dict/list of them for several inputs."""
+        x = self.element_spec[0] if isinstance(self.element_spec, tuple) else self.element_spec
+        import tensorflow as tf
+
+        return tf.nest.map_structure(lambda s: tuple(s.shape[1:]), x)
+
+
+def epoch_seed(seed, epoch):
+    """A tf.data seed from (seed, epoch): the same on every rank, different every epoch."""
+    import tensorflow as tf
+
+    return tf.cast(seed, tf.int64) * 1_000_003 + tf.cast(epoch, tf.int64)
+
+
+def permutation(n, seed, salt):
+    """A permutation of range(n) drawn from (seed, salt): the same in a graph and eagerly."""
+    import tensorflow as tf
+
+    return tf.random.experimental.stateless_shuffle(
+        tf.range(tf.cast(n, tf.int64)), seed=tf.stack([tf.cast(seed, tf.int64), tf.cast(salt, tf.int64)]))
+
+
+def window_shuffle(ds, seed, first_window: int = 0):
+    """Shuffle within consecutive windows of WINDOW elements, window i by the permutation of (seed, i):
+    a run resumed inside an epoch rebuilds its window alone, where a shuffle buffer would need every
+    element before it."""
+    import tensorflow as tf
+
+    def shuffle(i, window):
+        order = permutation(tf.shape(tf.nest.flatten(window)[0])[0], seed, i)
+        return tf.nest.map_structure(lambda t: tf.gather(t, order), window)
+
+    return ds.batch(WINDOW).enumerate(first_window).map(shuffle).unbatch()
+
+
+def split(x, y, val_split):
+    """A fixed random split (SPLIT_SEED) of arrays, or of dicts/lists of arrays."""
+    import tensorflow as tf
+
+    n = len(tf.nest.flatten(y)[0])
+    order = np.random.default_rng(SPLIT_SEED).permutation(n)
+    n_val = int(round(n * (val_split or 0)))
+    val, train = order[:n_val], order[n_val:]
+    take = lambda a, idx: tf.nest.map_structure(lambda v: np.asarray(v)[idx], a)
+    return take(x, train), take(y, train), take(x, val), take(y, val)

@@ -198,3 +198,20 @@ def test_an_installed_hvdtrain_runs_the_bench_without_the_repository(tmp_path):
     assert st["records"] == 400 and st["workers"] == 1 and "figures measure nothing" in proc.stdout
     run = json.loads((cwd / "b" / "startup-own_pipeline-0" / "summary.json").read_text())
     assert run["config"]["data"] == "hvdtrain.bench.own_records:dataset" and run["epochs_run"] == 1
+
+
+def test_a_bench_command_that_a_section_would_refuse_is_refused_before_anything_runs(tmp_path):
+    """A typo in --sections, an unknown lever, stacks without another venv: one line at once, not after
+    the sections before it ran; HVDTRAIN_BENCH_DRY_RUN checks a command that way and runs nothing."""
+    for flags, message in ((["--sections", "recipe,stack"], "unknown section(s) stack"),
+                           (["--sections", "levers", "--levers", "fp8"], "unknown lever(s) fp8"),
+                           (["--sections", "scaling,stacks"], "--sections stacks needs --other-python")):
+        proc = subprocess.run([PYTHON, "-m", "hvdtrain", "bench", *flags, "--out", str(tmp_path)], cwd=ROOT,
+                              env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+        assert proc.returncode == 2 and f"hvdtrain: error: bench: {message}" in proc.stdout, proc.stdout[-2000:]
+        assert not any(tmp_path.iterdir())
+    proc = subprocess.run([PYTHON, "-m", "hvdtrain", "bench", "--sections", "recipe,stacks", "--other-python", PYTHON,
+                           "--out", str(tmp_path / "b")], cwd=ROOT, env=job_env({"HVDTRAIN_BENCH_DRY_RUN": "1"}),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert proc.returncode == 0 and "valid for the sections recipe, stacks; nothing was run" in proc.stdout
+    assert not (tmp_path / "b").exists()

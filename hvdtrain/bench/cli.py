@@ -11,6 +11,7 @@ from pathlib import Path
 from .. import bench
 
 from .. import compat
+from ..config import UserError
 from . import launch, report, sections, sync_vs_async
 
 def parser():
@@ -28,8 +29,8 @@ def parser():
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker, the same at every N")
     p.add_argument("--min-bytes", type=int, default=4 << 10)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
-    p.add_argument("--sections", type=lambda s: s.split(","), default=["allreduce", "scaling", "levers", "baseline", "recipe", "startup",
-                                                                 "checkpoint", "callbacks", "preemption", "sync-vs-async"])
+    p.add_argument("--sections", type=lambda s: s.split(","), default=DEFAULT_SECTIONS,
+                   help=f"any of {', '.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)})")
     p.add_argument("--ranks", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4, 8, 16, 32],
                    help="scale: rank counts (over --hosts, or this host)")
     p.add_argument("--records", type=int, default=200_000, help="startup: records in the user's own files")
@@ -54,7 +55,24 @@ def parser():
     return p
 
 
+SECTIONS = ["allreduce", "scaling", "levers", "baseline", "recipe", "startup", "checkpoint", "callbacks",
+            "preemption", "stacks", "scale", "sync-vs-async"]
+DEFAULT_SECTIONS = [s for s in SECTIONS if s not in ("stacks", "scale")]
 SMALL = "HVDTRAIN_BENCH_SMALL"  # set (to 1): every section as asked for, at its smallest sizes
+DRY_RUN = "HVDTRAIN_BENCH_DRY_RUN"  # set (to 1): the flags checked as every section reads them; nothing runs
+
+
+def check(args):
+    """What a section would refuse after the sections before it ran for an hour: refused now."""
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        raise UserError(f"bench: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    levers = set(args.levers or ()) - set(sections.LEVERS)
+    if levers:
+        raise UserError(f"bench: unknown lever(s) {', '.join(sorted(levers))}; choose from {', '.join(sections.LEVERS)}")
+    if "stacks" in args.sections and not (args.other_python and os.access(args.other_python, os.X_OK)):
+        raise UserError(f"bench: --sections stacks needs --other-python, another venv's python (e.g. "
+                        f".venv-keras2/bin/python); got {args.other_python!r}")
 
 
 def shrink(args):
@@ -79,8 +97,13 @@ def main(argv) -> int:
         return sections.keras_worker(args)
     if args.worker == "sync-vs-async":
         return sync_vs_async.worker(args)
+    check(args)
     if os.environ.get(SMALL):
         shrink(args)
+    if os.environ.get(DRY_RUN):
+        launch.say(f"{DRY_RUN} is set: the flags are valid for the sections {', '.join(args.sections)}; "
+                   f"nothing was run")
+        return 0
     args.max_workers = max(args.workers)
     if "sync-vs-async" in args.sections and compat.keras3():
         args.sections = [s for s in args.sections if s != "sync-vs-async"]

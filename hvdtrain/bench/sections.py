@@ -144,9 +144,6 @@ def levers(args, out: Path) -> dict:
     defaults and every lever at N (A B C ... A B C ...); per round, the efficiency against that
     round's one worker and the ratio to that round's defaults."""
     n, controller, rows = max(args.workers), launch.controller(args), []
-    unknown = set(args.levers or ()) - set(LEVERS)
-    if unknown:
-        raise UserError(f"bench: unknown lever(s) {', '.join(sorted(unknown))}; choose from {', '.join(LEVERS)}")
     for model in args.lever_models:
         size, steps, flags = _sized(args, model)
         names = args.levers or LEVER_SETS.get(model, list(LEVERS))
@@ -375,9 +372,6 @@ def stacks(args, out: Path) -> dict:
     of each pair (this / other)."""
     import numpy as np
 
-    if not args.other_python:
-        raise UserError("bench: --sections stacks needs --other-python (another venv's python, e.g. "
-                        ".venv-keras2/bin/python)")
     n, rows = max(args.workers), []
     pythons = {"this": launch.python(n, launch.controller(args), args.hosts),
                "other": launch.python(n, launch.controller(args), args.hosts, py=args.other_python)}

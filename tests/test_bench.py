@@ -174,9 +174,15 @@ def test_an_installed_hvdtrain_runs_the_bench_without_the_repository(tmp_path):
     installs of its own: the wheel alone is under test."""
     import sysconfig
 
-    wheels, venv, cwd = tmp_path / "wheels", tmp_path / "venv", tmp_path / "elsewhere"
+    import shutil
+
+    wheels, venv, cwd, src = tmp_path / "wheels", tmp_path / "venv", tmp_path / "elsewhere", tmp_path / "src"
+    src.mkdir()  # what the build reads, copied: a build leaves build/ in the tree it builds
+    for name in ("setup.py", "pyproject.toml"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "hvdtrain", src / "hvdtrain", ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
-                    str(ROOT)], check=True, cwd=tmp_path, timeout=300)
+                    str(src)], check=True, cwd=tmp_path, timeout=300)
     subprocess.run([PYTHON, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = Path(subprocess.run([str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                stdout=subprocess.PIPE, text=True, check=True).stdout.strip())

@@ -48,10 +48,8 @@ def compile_for_training(model, cfg: Config, world: runtime.World, data, callbac
     model.compile(optimizer=dist, **plan.kwargs)
     model.autotune_steps_per_execution = False  # Keras' compile leaves a user's "auto" tuner on
     model.steps_per_execution = plan.steps_per_execution  # the compile config keeps the user's own
-    if cfg.reduction == "adasum":
-        optimizer.use_adasum(model, cfg, world)
     learning_rate = optimizer.LearningRate(cfg, info["lr"]) if info["lr"] is not None else None
-    optimizer.wrap_train_step(model, learning_rate)
+    optimizer.TrainStep(model, cfg, world, learning_rate).install()
     log.info("%s: loss %s; %s from %s, lr %s for one worker; %d step(s) per call", model.name, plan.loss,
              info["class"], info["source"], "a schedule" if info["lr"] is None else f"{info['lr']:g}",
              plan.steps_per_execution)

@@ -129,7 +129,7 @@ def remember(dist, compiled, cfg: Config, info: dict):
 
 def distributed(opt, cfg: Config):
     """`opt` whose updates average the gradients over the workers first: Horovod's
-    DistributedOptimizer on Keras 2 (Adasum keeps `opt`: see use_adasum), on Keras 3 `Distributed`."""
+    DistributedOptimizer on Keras 2 (Adasum keeps `opt`: see TrainStep), on Keras 3 `Distributed`."""
     if compat.keras3():
         return _distributed_keras3(opt, cfg)
     import horovod.tensorflow as hvd_ops
@@ -242,14 +242,8 @@ def _compression(cfg: Config):
     return hvd.Compression.fp16 if cfg.compression == "fp16" else hvd.Compression.none
 
 
-def use_adasum(model, cfg: Config, world: runtime.World):
-    """Adasum through Horovod's DistributedGradientTape, in the model's own train_step (Keras 2).
-
-    Horovod 0.28.1's Keras DistributedOptimizer rejects op=Adasum; its DistributedGradientTape does not.
-    On Keras 3 the distributed optimizer reduces with op=Adasum itself: only the checks apply.
-    """
-    import types
-
+def check_adasum(model, cfg: Config, world: runtime.World):
+    """Refuse what Adasum cannot train, before the first step: the checks of Horovod's Adasum guide."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
@@ -260,23 +254,8 @@ def use_adasum(model, cfg: Config, world: runtime.World):
     if cfg.backward_passes_per_step > 1 or cfg.precision == "mixed_float16":
         raise UserError("--reduction adasum does not combine with --backward-passes-per-step > 1 "
                         "or --precision mixed_float16")
-    if compat.keras3():
-        return
-    if type(model).train_step is not tf.keras.Model.train_step:
+    if not compat.keras3() and type(model).train_step is not tf.keras.Model.train_step:
         raise UserError("--reduction adasum replaces the model's train_step; this model has its own")
-
-    def train_step(self, data):
-        x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(x, y, y_pred, sample_weight)
-        tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum, compression=_compression(cfg),
-                                           sparse_as_dense=cfg.sparse_as_dense)
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        return self.compute_metrics(x, y, y_pred, sample_weight)
-
-    model.train_step = types.MethodType(train_step, model)
 
 
 def build(model):
@@ -408,7 +387,7 @@ class NonFiniteUpdate(Exception):
 
     @staticmethod
     def step_of(error) -> int | None:
-        """The optimizer step a failed train step names, if it is wrap_train_step's assertion."""
+        """The optimizer step a failed train step names, if it is TrainStep's assertion."""
         text = str(error)
         if NONFINITE not in text:
             return None
@@ -418,29 +397,58 @@ class NonFiniteUpdate(Exception):
         return int(found.group(1)) if found else -1
 
 
-def wrap_train_step(model, learning_rate):
-    """Around the model's train_step (Keras' own or the user's): set the learning rate for this step
-    first; after it, assert that the weights it produced are finite.
+class TrainStep:
+    """The step hvdtrain's fit() runs, around the model's own train_step, its parts in one order:
 
-    The weights are the same on every rank after the allreduce, so every rank's assertion fails at
-    the same step and the ranks stop together without a collective of their own. (A float16 loss
-    scale skips non-finite steps itself, leaving the weights finite.) learning_rate: a LearningRate,
-    or None to leave the optimizer's own (a compiled schedule).
+    1. the learning rate for this step set, in the graph (`learning_rate`: a LearningRate; None
+       leaves the optimizer's own, a compiled schedule);
+    2. the model's own step, Keras' or the user's. On Keras 2 with --reduction adasum it is Keras'
+       step with the gradients reduced by Horovod's DistributedGradientTape: Horovod 0.28.1's Keras
+       DistributedOptimizer refuses op=Adasum, its tape does not (on Keras 3 the `Distributed`
+       optimizer reduces with Adasum itself);
+    3. the weights it produced asserted finite. They are the same on every rank after the allreduce,
+       so every rank's assertion fails at the same step and the ranks stop together without a
+       collective of their own. (A float16 loss scale skips non-finite steps itself.)
+
+    Keras has no hook around train_step but the model's attribute: `install` sets this object there.
+    It keeps the model's own step, so a later fit() puts a new TrainStep around that same step.
     """
-    import tensorflow as tf
 
-    inner = model.train_step
-    inner = getattr(inner, "hvdtrain_wraps", inner)  # a later fit() wraps the model's own step, once
+    def __init__(self, model, cfg: Config, world: runtime.World, learning_rate):
+        if cfg.reduction == "adasum":
+            check_adasum(model, cfg, world)
+        own = model.train_step
+        self.model, self.learning_rate, self.cfg = model, learning_rate, cfg
+        self.own = own.own if isinstance(own, TrainStep) else own
+        self.step = self._adasum if cfg.reduction == "adasum" and not compat.keras3() else self.own
 
-    def train_step(data):
-        step = tf.identity(model.optimizer.iterations)  # before this step's update increments it
-        if learning_rate is not None:
-            lr = model.optimizer.learning_rate
-            lr.assign(tf.cast(learning_rate(step), lr.dtype))
-        logs = inner(data)
-        total = tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32)) for w in model.trainable_variables])
+    def install(self):
+        self.model.train_step = self
+
+    def __call__(self, data):
+        import tensorflow as tf
+
+        optimizer = self.model.optimizer
+        step = tf.identity(optimizer.iterations)  # before this step's update increments it
+        if self.learning_rate is not None:
+            optimizer.learning_rate.assign(tf.cast(self.learning_rate(step), optimizer.learning_rate.dtype))
+        logs = self.step(data)
+        total = tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32)) for w in self.model.trainable_variables])
         tf.debugging.Assert(tf.math.is_finite(total), [NONFINITE, step])
         return logs
 
-    train_step.hvdtrain_wraps = inner
-    model.train_step = train_step
+    def _adasum(self, data):
+        """Keras 2's own train_step, its gradients through Horovod's DistributedGradientTape."""
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+
+        model, cfg = self.model, self.cfg
+        x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x, y, y_pred, sample_weight)
+        tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum, compression=_compression(cfg),
+                                           sparse_as_dense=cfg.sparse_as_dense)
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return model.compute_metrics(x, y, y_pred, sample_weight)

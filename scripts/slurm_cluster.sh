@@ -55,6 +55,8 @@ write_conf() {
     echo "MailProg=/bin/true"
     echo "SlurmUser=root"
     echo "AuthType=auth/munge"
+    # a requeued job waits this long before it starts again (120 s by default): the preemption test requeues
+    echo "AuthInfo=cred_expire=30"
     echo "StateSaveLocation=$DIR/state"
     echo "SlurmdSpoolDir=$DIR/spool/%n"
     echo "SlurmctldPidFile=$DIR/slurmctld.pid"

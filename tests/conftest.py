@@ -1,6 +1,7 @@
 """Launch real hvdtrain jobs: plain python, horovodrun (Gloo or MPI controller) and mpirun."""
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,16 +44,37 @@ def command(np_, launcher, argv):
     return [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", f"--{launcher}"] + worker
 
 
+def run(cmd, timeout=300, env=None):
+    """Run a command line to the end (a launcher, ssh, the workers under it), stdout and stderr together
+    as a user would see them; past `timeout`, its whole process group is ended and the test fails."""
+    proc = spawn(cmd, env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"{cmd[0]} did not finish in {timeout} s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def spawn(cmd, env=None, **popen):
+    """Start a command line and return at once (a test that signals, kills or watches it)."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=job_env(env), text=True,
+                            **{"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **popen})
+
+
 def launch(np_, launcher, argv, timeout=300, env=None):
-    """Run a job to the end; stdout and stderr come back together, as a user would see them."""
-    return subprocess.run(command(np_, launcher, argv), cwd=ROOT, env=job_env(env), timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """Run a job of np_ workers on this host to the end (run)."""
+    return run(command(np_, launcher, argv), timeout, env)
 
 
 def start(np_, launcher, argv, env=None, **popen):
-    """Start a job and return at once (a test that signals, kills or watches it); output as launch's."""
-    return subprocess.Popen(command(np_, launcher, argv), cwd=ROOT, env=job_env(env), text=True,
-                            **{"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **popen})
+    """Start a job of np_ workers on this host and return at once (spawn)."""
+    return spawn(command(np_, launcher, argv), env, **popen)
 
 
 def error_lines(output: str) -> list:

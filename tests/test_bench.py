@@ -6,15 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KERAS3, PYTHON, ROOT, job_env
+from conftest import KERAS3, PYTHON, ROOT, job_env, run
 
 
 def _bench(out, *flags):
-    proc = subprocess.run([PYTHON, "-m", "hvdtrain", "bench", "--out", str(out), "--workers", "1,2",
-                           "--model", "mlp", "--image-size", "8", "--batch-size", "16", "--steps", "3",
-                           "--max-bytes", str(64 << 10), *flags],
-                          cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=900)
+    proc = run([PYTHON, "-m", "hvdtrain", "bench", "--out", str(out), "--workers", "1,2", "--model", "mlp",
+                "--image-size", "8", "--batch-size", "16", "--steps", "3", "--max-bytes", str(64 << 10), *flags],
+               timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return proc.stdout, json.loads((out / "bench.json").read_text())
 
@@ -65,6 +63,7 @@ def test_bench_measures_each_lever_alone_against_the_defaults_round_by_round(tmp
     assert "== levers at 2 workers" in text and "bench: levers mlp bind-cores" in text
 
 
+@pytest.mark.stacks  # Keras 2's: run by the second stack's pass
 @pytest.mark.skipif(KERAS3, reason="tf.distribute's strategies do not train Keras 3 models (tensorflow#72388)")
 def test_sync_vs_async_runs_every_peer_and_writes_curves_table_and_plots(tmp_path):
     text, res = _bench(tmp_path, "--sections", "sync-vs-async", "--controllers", "gloo", "--study-tasks", "cnn",
@@ -212,12 +211,10 @@ def test_a_bench_command_that_a_section_would_refuse_is_refused_before_anything_
     for flags, message in ((["--sections", "recipe,stack"], "unknown section(s) stack"),
                            (["--sections", "levers", "--levers", "fp8"], "unknown lever(s) fp8"),
                            (["--sections", "scaling,stacks"], "--sections stacks needs --other-python")):
-        proc = subprocess.run([PYTHON, "-m", "hvdtrain", "bench", *flags, "--out", str(tmp_path)], cwd=ROOT,
-                              env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+        proc = run([PYTHON, "-m", "hvdtrain", "bench", *flags, "--out", str(tmp_path)], timeout=60)
         assert proc.returncode == 2 and f"hvdtrain: error: bench: {message}" in proc.stdout, proc.stdout[-2000:]
         assert not any(tmp_path.iterdir())
-    proc = subprocess.run([PYTHON, "-m", "hvdtrain", "bench", "--sections", "recipe,stacks", "--other-python", PYTHON,
-                           "--out", str(tmp_path / "b")], cwd=ROOT, env=job_env({"HVDTRAIN_BENCH_DRY_RUN": "1"}),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    proc = run([PYTHON, "-m", "hvdtrain", "bench", "--sections", "recipe,stacks", "--other-python", PYTHON,
+                "--out", str(tmp_path / "b")], timeout=60, env={"HVDTRAIN_BENCH_DRY_RUN": "1"})
     assert proc.returncode == 0 and "valid for the sections recipe, stacks; nothing was run" in proc.stdout
     assert not (tmp_path / "b").exists()

@@ -6,14 +6,13 @@ Run alone with `pytest -m docker`.
 """
 import json
 import os
-import signal
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run
 
 pytestmark = pytest.mark.docker
 
@@ -24,19 +23,11 @@ WHEELS = ROOT / "docker" / "wheels"
 
 
 def sh(cmd, timeout, check=True, env=None):
-    """Run cmd (its own process group, ended on timeout); stdout+stderr together."""
-    full_env = dict(os.environ, HVDTRAIN_IMAGE=IMAGE, **(env or {}))
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd))}: no end after {timeout} s\n{out[-4000:]}")
+    """Run cmd to the end (run: its process group ended on timeout); stdout+stderr together."""
+    proc = run([str(c) for c in cmd], timeout, {"HVDTRAIN_IMAGE": IMAGE, **(env or {})})
     if check:
-        assert proc.returncode == 0, f"{' '.join(map(str, cmd))} -> {proc.returncode}\n{out[-6000:]}"
-    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+        assert proc.returncode == 0, f"{' '.join(map(str, cmd))} -> {proc.returncode}\n{proc.stdout[-6000:]}"
+    return proc
 
 
 @pytest.fixture(scope="module")

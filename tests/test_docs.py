@@ -1,10 +1,9 @@
 """Every command of the README and docs/ runs as written on this machine, at small sizes. The commands
 are read from the files (tests/doc_commands.py), so an edited command is the command tested; those
 naming host1/host2 run on the netns hosts in tests/test_multihost.py."""
-import subprocess
 
 
-from conftest import ROOT, job_env
+from conftest import run
 from doc_commands import NOT_RUN, all_commands, names_hosts, shell, small
 
 LOCAL = [(where, cmd) for where, cmd in all_commands()
@@ -27,9 +26,8 @@ def test_every_local_command_of_the_readme_and_docs_runs_as_written(tmp_path):
                     f"output_dir: {tmp_path / 'yaml-run'}\nverbose: 0\ntensorboard: false\n")
     failures = []
     for i, (where, cmd) in enumerate(LOCAL):
-        run = small(cmd, tmp_path / f"c{i}", yaml, tmp_path / "hostfile", tmp_path / "hosts.txt")
-        proc = subprocess.run(shell(run), cwd=ROOT, env=job_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=600)
+        ran = small(cmd, tmp_path / f"c{i}", yaml, tmp_path / "hostfile", tmp_path / "hosts.txt")
+        proc = run(shell(ran), timeout=600)
         if proc.returncode != 0:
-            failures.append(f"{where}: {cmd}\n  ran: {run}\n  exit {proc.returncode}: {proc.stdout[-1500:]}")
+            failures.append(f"{where}: {cmd}\n  ran: {ran}\n  exit {proc.returncode}: {proc.stdout[-1500:]}")
     assert not failures, "\n".join(failures)

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, job_env, processes_of, run_worker_script
+from conftest import BIN, PYTHON, ROOT, job_env, processes_of, run, run_worker_script, spawn
 
 EPOCHS = 60
 
@@ -42,9 +42,7 @@ def _elastic_job(out, hostfile, *flags):
            "--commit-every", "5", *flags]
     log = open(out / "job.log", "w")
     # A survivor blocked in a receive from the dead worker notices at Gloo's timeout (default 30 s)
-    env = job_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "10"})
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return spawn(cmd, {"HOROVOD_GLOO_TIMEOUT_SECONDS": "10"}, stdout=log, start_new_session=True)
 
 
 def _wait_for(what, check, proc, out, timeout=180):
@@ -132,16 +130,16 @@ def test_elastic_flag_outside_an_elastic_launch_is_a_clear_error(tmp_path):
 def test_discover_prints_a_hostfile_as_the_host_slots_lines_horovodrun_reads(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# available now\nnode1 slots=4\nnode2 slots=two\nnode3\n")
-    run = lambda: subprocess.run([PYTHON, "-m", "hvdtrain", "hosts", "--discover", "--hostfile", str(hostfile)],
-                                 cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=60)
-    proc = run()
+    discover = lambda: subprocess.run([PYTHON, "-m", "hvdtrain", "hosts", "--discover", "--hostfile", str(hostfile)],
+                                      cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=60)
+    proc = discover()
     assert proc.returncode != 0 and "hosts:3: slots must be a positive integer, got 'two'" in proc.stderr
     assert proc.stdout == ""  # a bad line: say where, print nothing
     hostfile.write_text("# available now, in either format\nnode1 slots=4\nnode2:2\nnode3\n")
-    proc = run()
+    proc = discover()
     assert proc.returncode == 0 and proc.stdout.splitlines() == ["node1:4", "node2:2", "node3:1"]
     hostfile.write_text("# none yet\n")  # a normal state of an elastic job, not an error
-    proc = run()
+    proc = discover()
     assert proc.returncode == 0 and proc.stdout.strip() == ""
 
 
@@ -151,7 +149,6 @@ def test_a_bad_discovery_hostfile_reaches_the_user_through_horovodrun(tmp_path):
     cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
            "--host-discovery-script", f"{PYTHON} -m hvdtrain hosts --discover --hostfile {hostfile}",
            PYTHON, "-m", "hvdtrain", "--elastic", "--output-dir", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=120)
+    proc = run(cmd, timeout=120)
     assert proc.returncode != 0
     assert f"hvdtrain: error: {hostfile}:1: slots must be a positive integer, got 'two'" in proc.stdout

@@ -9,13 +9,12 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, error_lines, job_env, PYTHON, ROOT
+from conftest import BIN, error_lines, job_env, PYTHON, ROOT, run
 
 pytestmark = pytest.mark.multihost
 
@@ -57,23 +56,6 @@ def netns_hosts(n: int):
 @pytest.fixture(scope="module")
 def cluster():
     yield from netns_hosts(2)
-
-
-def run(cmd, timeout=240, env=None):
-    """Run a launcher to the end; on timeout end its whole process group (mpirun, ssh, local ranks)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=job_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-        pytest.fail(f"{cmd[0]} did not finish in {timeout} s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out)
 
 
 def check_summary(out_dir, proc):

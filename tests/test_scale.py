@@ -7,8 +7,8 @@ import shlex
 
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, job_env
-from test_multihost import ENV_NAMES, MPI_YIELD, netns_hosts, run
+from conftest import BIN, PYTHON, ROOT, job_env, run
+from test_multihost import ENV_NAMES, MPI_YIELD, netns_hosts
 
 pytestmark = pytest.mark.scale
 

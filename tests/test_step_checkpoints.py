@@ -7,12 +7,11 @@ import collections
 import json
 import random
 import re
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import BIN, KERAS3, PYTHON, ROOT, command, job_env, train
+from conftest import BIN, KERAS3, PYTHON, command, launch, run, train
 
 N, BATCH, WORKERS, EPOCHS, EVERY = 384, 8, 2, 3, 5
 STEPS = N // (BATCH * WORKERS)  # 24 per epoch, nothing left out
@@ -58,8 +57,7 @@ def _run(launcher, out, data, env, kill_at=None, counts="counts", extra=()):
            **({"KILL_AT": str(kill_at), "KILL_RANK": "1"} if kill_at else {})}
     argv = ["-m", "hvdtrain", "--output-dir", str(out), "--verbose", "0", "--no-tensorboard", *_flags(data), *extra]
     cmd = _elastic(out, argv) if launcher == "elastic" else command(WORKERS, launcher, argv)
-    return subprocess.run(cmd, cwd=ROOT, env=job_env(env), timeout=300,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return run(cmd, env=env)
 
 
 def _trained(counts, upto=None):
@@ -165,10 +163,8 @@ def test_a_resume_that_cannot_be_replayed_says_why_and_what_to_change(tmp_path):
     train(1, None, tmp_path / "a", *flags)
     assert ("checkpoints inside an epoch: a resume cannot continue user_data:digits_batched where it stopped, "
             "because it reshuffles every epoch") in (tmp_path / "a" / "logs" / "rank0.log").read_text()
-    proc = subprocess.run(command(1, None, ["-m", "hvdtrain", "--output-dir", str(tmp_path / "b"), *flags,
-                                            "--resume", str(tmp_path / "a" / "checkpoints" / "ckpt-0-step-10")]),
-                          cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300)
+    proc = launch(1, None, ["-m", "hvdtrain", "--output-dir", str(tmp_path / "b"), *flags,
+                            "--resume", str(tmp_path / "a" / "checkpoints" / "ckpt-0-step-10")])
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "resuming: dropout draws new random numbers after a restart" in proc.stdout
     assert ("cannot continue at step 11, because it reshuffles every epoch" in proc.stdout and
@@ -184,8 +180,7 @@ def test_checkpoint_every_minutes_saves_inside_epochs_at_steps_every_rank_agrees
     flags[flags.index("--checkpoint-every-minutes") + 1] = "0.001"  # 60 ms: a save every few steps
     flags[flags.index("--keep-checkpoints") + 1] = "1000"
     argv = ["-m", "hvdtrain", "--output-dir", str(tmp_path), "--no-tensorboard", *flags]
-    proc = subprocess.run(command(WORKERS, "gloo", argv), cwd=ROOT, env=job_env({**env, "COUNT_DIR": str(tmp_path)}),
-                          timeout=300, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = launch(WORKERS, "gloo", argv, env={**env, "COUNT_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:]
     index = "\n".join(l for l in (tmp_path / "checkpoints" / "checkpoint").read_text().splitlines()
                       if l.startswith("all_model_checkpoint_paths"))
@@ -195,6 +190,7 @@ def test_checkpoint_every_minutes_saves_inside_epochs_at_steps_every_rank_agrees
     assert [f"ckpt-{e}" for e in range(1, EPOCHS + 1)] == re.findall(r'"(ckpt-\d+)"', index)
 
 
+@pytest.mark.stacks  # Keras 2's: run by the second stack's pass
 @pytest.mark.skipif(KERAS3, reason="Keras 3's CallbackList converts every call's logs to Python numbers "
                     "for every callback, whatever the callbacks take")
 @pytest.mark.parametrize("flag", [{"checkpoint_every_steps": 1000}, {"checkpoint_every_minutes": 5.0}])

@@ -55,8 +55,28 @@ def parser():
     return p
 
 
-SECTIONS = ["allreduce", "scaling", "levers", "baseline", "recipe", "startup", "checkpoint", "callbacks",
-            "preemption", "stacks", "scale", "sync-vs-async"]
+def _sync_vs_async(args, out, results):
+    return sync_vs_async.study(
+        args, out, lambda python, run_dir, flags: launch.train(python, run_dir, flags, args.timeout),
+        lambda n: launch.python(n, args.controllers[0], args.hosts), launch.env, launch.say)
+
+
+# every section, in the order they run: what runs it, given (args, out, the results so far); its
+# results go into bench.json under its name (sync-vs-async: sync_vs_async)
+SECTIONS = {
+    "allreduce": lambda args, out, results: sections.allreduce(args),
+    "scaling": lambda args, out, results: sections.scaling(args, out, results.get("allreduce", ())),
+    "levers": lambda args, out, results: sections.levers(args, out),
+    "baseline": lambda args, out, results: sections.keras_baseline(args, out),
+    "recipe": lambda args, out, results: sections.recipe(args, out),
+    "startup": lambda args, out, results: sections.startup(args, out),
+    "checkpoint": lambda args, out, results: sections.checkpoint_cost(args, out),
+    "callbacks": lambda args, out, results: sections.callbacks_cost(args, out),
+    "preemption": lambda args, out, results: sections.preemption_cost(args, out),
+    "stacks": lambda args, out, results: sections.stacks(args, out),
+    "scale": lambda args, out, results: sections.scale(args, out),
+    "sync-vs-async": _sync_vs_async,
+}
 DEFAULT_SECTIONS = [s for s in SECTIONS if s not in ("stacks", "scale")]
 SMALL = "HVDTRAIN_BENCH_SMALL"  # set (to 1): every section as asked for, at its smallest sizes
 DRY_RUN = "HVDTRAIN_BENCH_DRY_RUN"  # set (to 1): the flags checked as every section reads them; nothing runs
@@ -117,32 +137,9 @@ def main(argv) -> int:
                "scaling": {"model": args.model, "image_size": args.image_size,
                            "batch_size_per_worker": args.batch_size, "threads_per_worker": args.threads,
                            "rows": []}}
-    if "allreduce" in args.sections:
-        results["allreduce"] = sections.allreduce(args)
-    if "scaling" in args.sections:
-        results["scaling"] = sections.scaling(args, out, results.get("allreduce", ()))
-    if "levers" in args.sections:
-        results["levers"] = sections.levers(args, out)
-    if "baseline" in args.sections:
-        results["baseline"] = sections.keras_baseline(args, out)
-    if "recipe" in args.sections:
-        results["recipe"] = sections.recipe(args, out)
-    if "startup" in args.sections:
-        results["startup"] = sections.startup(args, out)
-    if "checkpoint" in args.sections:
-        results["checkpoint"] = sections.checkpoint_cost(args, out)
-    if "stacks" in args.sections:
-        results["stacks"] = sections.stacks(args, out)
-    if "callbacks" in args.sections:
-        results["callbacks"] = sections.callbacks_cost(args, out)
-    if "preemption" in args.sections:
-        results["preemption"] = sections.preemption_cost(args, out)
-    if "scale" in args.sections:
-        results["scale"] = sections.scale(args, out)
-    if "sync-vs-async" in args.sections:
-        results["sync_vs_async"] = sync_vs_async.study(
-            args, out, lambda python, run_dir, flags: launch.train(python, run_dir, flags, args.timeout),
-            lambda n: launch.python(n, args.controllers[0], args.hosts), launch.env, launch.say)
+    for name, run in SECTIONS.items():
+        if name in args.sections:
+            results[name.replace("-", "_")] = run(args, out, results)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     results["plot"] = report.plot(results, out / "scaling.png")
     written = [results["plot"]] if results["plot"] else []

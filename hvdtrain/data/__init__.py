@@ -92,9 +92,9 @@ def adapter(cfg: Config, world: World, source=None, validation=None, need_classe
     source = cfg.data if source is None else source
     if Records.can_handle(source):
         return Records(cfg, world, source)
-    if isinstance(source, str) and Arrays.can_handle(source):
-        return Arrays.named(cfg, world, source, need_classes)
-    if isinstance(source, str):
+    if isinstance(source, str):  # a built-in set or an .npz file, else "module:function"
+        if Arrays.can_handle(source):
+            return Arrays.named(cfg, world, source, need_classes)
         source = resolve(source, "--data")
     name, user_shards = cfg.data, False
     if callable(source) and not Pipeline.can_handle(source):

@@ -37,8 +37,7 @@ class Records:
         return self.files[self.world.rank::self.world.size] if self.by_file else self.files
 
     def count(self) -> int:
-        """This worker's records, and the largest label in them: one pass, labels parsed, nothing else."""
-        self.counts, self.top = scan(self.mine)
+        """This worker's records (scanned by load: records per file)."""
         total = int(self.counts.sum())
         return total if self.by_file else agree.shard_size(total, self.world)
 
@@ -69,6 +68,7 @@ class Records:
         import tensorflow as tf
 
         self.mine = self.shard()
+        self.counts, self.top = scan(self.mine)  # one pass over my files: records per file, the largest label
         self.steps, notes, total = agree.steps(self.cfg, self.world, self.count(), self.batch)
         classes = agree.largest(self.top) + 1
         first = next(iter(tf.data.TFRecordDataset(self.files[:1]).take(1)))

@@ -4,7 +4,7 @@
 - Its learning rate is for one worker; the linear scaling rule multiplies it by the number of workers
   (Goyal et al. 2017), reached by a linear warm-up, then a schedule.
 - It is wrapped in Horovod's DistributedOptimizer: gradients are averaged by ring-allreduce (or Adasum).
-- Every step also sets the learning rate and checks that the update left the weights finite, inside
+- Every step (TrainStep) also sets the learning rate and checks that the update left the weights finite, inside
   the compiled step: no Python callback and no extra collective per step.
 """
 from __future__ import annotations

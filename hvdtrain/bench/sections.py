@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import time
@@ -80,6 +81,8 @@ def scale(args, out: Path) -> dict:
     N is 2(N-1)/N x the 2-rank time, and their ratio says what grows faster than the ring."""
     import numpy as np
 
+    # N ranks on a few cores reach hvd.init far apart: Gloo's rendezvous gets 120 s, not its 30 (multinode.md)
+    wait = {} if "HOROVOD_GLOO_TIMEOUT_SECONDS" in os.environ else {"HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}
     runs = {}
     for rep in range(args.repeats):
         for controller in args.controllers:
@@ -91,10 +94,10 @@ def scale(args, out: Path) -> dict:
                          "--threads", "1", "--checkpoint-every", "0", "--no-keep-best", "--no-tensorboard",
                          "--no-save-model", "--no-worker-logs", "--verbose", "0"]
                 launched = time.time()
-                s = launch.train(python, out / f"scale-{controller}-{n}-{rep}", flags, args.timeout)
+                s = launch.train(python, out / f"scale-{controller}-{n}-{rep}", flags, args.timeout, wait)
                 size = s["model"]["gradient_bytes"] // 4 * 4
                 bench = launch.run(python + ["-m", "hvdtrain", "bench", "--worker", "allreduce", "--min-bytes", str(size),
-                                       "--max-bytes", str(size)], timeout=args.timeout)
+                                       "--max-bytes", str(size)], args.timeout, wait)
                 # the JSON object alone: under horovodrun --mpi another rank's output may follow on its line
                 row = json.JSONDecoder().raw_decode(bench.split("BENCH ", 1)[1])[0]["rows"][0]
                 got = runs.setdefault((controller, n), {"startup_s": [], "broadcast_s": [], "allreduce_s": []})

@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import error_lines, launch, run_worker_script, train
+from conftest import KERAS3, error_lines, launch, run_worker_script, train
 
 pytestmark = pytest.mark.stacks
 
@@ -187,3 +187,11 @@ def test_validation_of_unknown_size_is_read_to_its_end_without_a_running_out_war
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert json.loads((tmp_path / "summary.json").read_text())["metrics"]["val_accuracy"] > 0.9
     assert "ran out of data" not in proc.stdout
+
+
+def test_a_second_fit_without_adasum_runs_the_models_own_step_again(tmp_path):
+    """Keras 2's Adasum replaces Keras' step with one through Horovod's DistributedGradientTape; the
+    next fit() of the same model, without --reduction adasum, wraps the model's own step again."""
+    r = run_worker_script(1, None, "second_fit_step.py", tmp_path)
+    assert r["first"] == ("train_step" if KERAS3 else "_adasum")  # Keras 3: the optimizer reduces
+    assert r["second"] == "train_step" and r["own"]

@@ -1,7 +1,7 @@
 """The shell commands of README.md and docs/*.md, read from the files themselves, and how a test runs
 each one as written at small sizes (the same command, with flags appended that shrink the job, and
-host1/host2 mapped to the netns hosts node1/node2; a bench command as written, with HVDTRAIN_BENCH_DRY_RUN
-set: the bench checks every flag as its sections read them, and runs nothing)."""
+host1/host2 mapped to the netns hosts node1/node2; a bench command as written, with HVDTRAIN_BENCH_SMALL
+set: every section it names, at its smallest sizes)."""
 import re
 import shlex
 import sys
@@ -44,6 +44,11 @@ def all_commands() -> list:
     return [(f"{p.relative_to(ROOT)}:{n}", cmd) for p in DOCS for n, cmd in commands(p)]
 
 
+def is_bench(cmd: str) -> bool:
+    """A bench command: tests/test_bench.py runs these, and checks what each section reports."""
+    return bool(re.search(r"-m hvdtrain bench\b", cmd))
+
+
 def names_hosts(cmd: str) -> bool:
     return bool(re.search(r"\bhost[12]\b", cmd))
 
@@ -58,10 +63,10 @@ def small(cmd: str, tmp: Path, yaml: Path, hostfile: Path, discovery: Path) -> s
                      ("--out runs/bench", f"--out {tmp / 'bench'}")):
         cmd = cmd.replace(old, new)
     cmd = re.sub(r"-np \d+", "-np 2", cmd)
-    if re.search(r"-m hvdtrain bench\b", cmd):  # the sections themselves run in tests/test_bench.py
+    if is_bench(cmd):
         if not (ROOT / ".venv-keras2/bin/python").exists():  # a fresh clone sets the second stack up later
             cmd = cmd.replace(".venv-keras2/bin/python", sys.executable)
-        return "HVDTRAIN_BENCH_DRY_RUN=1 " + cmd + ("" if "--out " in cmd else f" --out {tmp / 'bench'}")
+        return "HVDTRAIN_BENCH_SMALL=1 " + cmd + ("" if "--out " in cmd else f" --out {tmp / 'bench'}")
     if cmd.startswith("scripts/run.sh") or re.search(r"-m hvdtrain( --|$)", cmd) and "--help" not in cmd:
         return cmd + f" --epochs 1 --steps-per-epoch 3 --output-dir {tmp / 'run'} --verbose 0 --no-tensorboard"
     if cmd.endswith(("examples/train_script.py", "examples/keras3_train.py")):

@@ -1,13 +1,13 @@
 """Every command of the README and docs/ runs as written on this machine, at small sizes. The commands
 are read from the files (tests/doc_commands.py), so an edited command is the command tested; those
-naming host1/host2 run on the netns hosts in tests/test_multihost.py."""
+naming host1/host2 run on the netns hosts in tests/test_multihost.py, the bench's in tests/test_bench.py."""
 
 
 from conftest import run
-from doc_commands import NOT_RUN, all_commands, names_hosts, shell, small
+from doc_commands import NOT_RUN, all_commands, is_bench, names_hosts, shell, small
 
 LOCAL = [(where, cmd) for where, cmd in all_commands()
-         if not names_hosts(cmd) and "hostfiles/" not in cmd and cmd not in NOT_RUN]
+         if not names_hosts(cmd) and "hostfiles/" not in cmd and cmd not in NOT_RUN and not is_bench(cmd)]
 
 
 def test_the_docs_have_the_commands_this_test_expects():

@@ -185,12 +185,12 @@ def scale(res, text, out):
     a, sc = res["args"], res["scale"]
     rows = sc["rows"]
     assert [(r["controller"], r["ranks"]) for r in rows] == [(c, n) for c in a["controllers"] for n in a["ranks"]]
-    assert a["ranks"] == [2, 4] and sc["gradient_bytes"] > 0
+    assert sc["gradient_bytes"] > 0
     for r in rows:
         assert 0 < r["broadcast_s_median"] < r["startup_s_median"] and r["allreduce_s_median"] > 0
         s = _summary(out / f"scale-{r['controller']}-{r['ranks']}-0")
         assert s["world_size"] == r["ranks"] and s["training_started_at"] > 0
-        # the ring moves the bytes once at 2 ranks, 2(N-1)/N times at N: at 4, 1.5 x the 2-rank time
+        # the ring moves the bytes once at 2 ranks, 2(N-1)/N times at N: the bound at N from the 2-rank time
         two = next(t for t in rows if t["controller"] == r["controller"] and t["ranks"] == 2)
         assert r["ring_bound_s"] == pytest.approx((2 * (r["ranks"] - 1) / r["ranks"]) * two["allreduce_s_median"])
         assert r["allreduce_over_ring_bound"] == pytest.approx(r["allreduce_s_median"] / r["ring_bound_s"])
@@ -268,18 +268,20 @@ def test_a_bench_command_of_the_docs_runs_as_written_and_each_section_reports_wh
 
 
 def test_each_round_is_kept_and_each_figure_is_paired_with_its_own_round(tmp_path):
-    """Two rounds (the docs' commands run one at small sizes), and the levers no docs command names for
-    the MLP: its copies trained beside one worker, and MPI's core binding."""
+    """Two rounds of the levers (the docs' commands run one at small sizes): each round's one worker and
+    defaults against that round's levers; and the levers no docs command names for the MLP: its copies
+    trained beside one worker, and MPI's core binding."""
     proc = run([PYTHON, "-m", "hvdtrain", "bench", "--out", str(tmp_path), "--workers", "1,2", "--controllers",
-                "mpi", "--sections", "scaling,levers", "--model", "mlp", "--image-size", "8", "--batch-size", "16",
-                "--steps", "1", "--repeats", "2", "--lever-models", "mlp", "--levers", "bind-cores,side-by-side"],
-               timeout=900)
+                "mpi", "--sections", "levers", "--steps", "1", "--repeats", "2", "--lever-models", "mlp",
+                "--levers", "bind-cores,side-by-side"], timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    res = _checked(tmp_path, proc.stdout, ["scaling", "levers"])
+    res = _checked(tmp_path, proc.stdout, ["levers"])
     assert res["args"]["repeats"] == 2 and [r["lever"] for r in res["levers"]["rows"]] == \
         ["defaults", "bind-cores", "side-by-side"]
+    one = res["levers"]["rows"][0]["one_worker"]
+    assert one[0] != one[1]  # each round measured its own one-worker run
     progress = [l for l in proc.stdout.splitlines() if l.startswith("bench: ")]  # one per measurement, as it lands
-    assert len(progress) == 2 * 2 + 2 * 3, progress
+    assert len(progress) == 2 * 3, progress
 
 
 # ---------------------------------------------------------------- installed, and refused

@@ -97,11 +97,10 @@ def check(args):
 
 def shrink(args):
     """The sections as asked for, each at its smallest sizes: one round, the MLP on 8x8 inputs, at most
-    2 workers, 2 ranks (and 4 where several counts are asked for: the ring's bound compares two), a few
-    hundred records, a study of 2 epochs (a curve of two points). For the test that runs the docs'
-    commands as written; its figures measure nothing (the report says so)."""
+    2 workers and 2 ranks, a few hundred records, a study of 2 epochs (a curve of two points). For the
+    test that runs the docs' commands as written; its figures measure nothing (the report says so)."""
     args.workers = sorted({min(w, 2) for w in args.workers})
-    args.ranks, args.study_workers = [2, 4][:len(args.ranks)], [2]
+    args.ranks, args.study_workers = [2], [2]
     args.model, args.image_size, args.batch_size, args.steps, args.repeats = "mlp", 8, 16, 1, 1
     args.min_bytes, args.max_bytes, args.records = 4 << 10, 16 << 10, 400
     args.lever_models, args.checkpoint_models = ["mlp"], ["mlp"]

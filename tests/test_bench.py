@@ -8,14 +8,16 @@ import re
 import statistics
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import KERAS3, PYTHON, ROOT, job_env, run
 from doc_commands import all_commands, is_bench, shell, small
+from hvdtrain.bench import launch, sections
 
 THIS_STACK = "keras3" if KERAS3 else "keras2"
-MLP_STEPS = 50  # the MLP's epoch in the sections that compare whole runs: 50 x --steps steps
+MLP_STEPS = sections.MODEL_SIZES["mlp"][1]  # the MLP's epoch in the sections that compare whole runs, x --steps
 
 
 def _summary(run_dir: Path) -> dict:
@@ -23,7 +25,7 @@ def _summary(run_dir: Path) -> dict:
 
 
 def _controller(a) -> str:  # the sections that compare at a fixed set-up run MPI's where it is asked for
-    return "mpi" if "mpi" in a["controllers"] else a["controllers"][0]
+    return launch.controller(SimpleNamespace(controllers=a["controllers"]))
 
 
 def _median(values):
@@ -34,7 +36,7 @@ def _median(values):
 
 def allreduce(res, text, out):
     a, n = res["args"], max(res["args"]["workers"])
-    sizes = [a["min_bytes"] * 4 ** i for i in range(16) if a["min_bytes"] * 4 ** i <= a["max_bytes"]]
+    sizes = list(sections.allreduce_sizes(a["min_bytes"], a["max_bytes"]))
     assert [r["controller"] for r in res["allreduce"]] == a["controllers"]
     for r in res["allreduce"]:
         assert r["workers"] == n and [row["bytes"] for row in r["rows"]] == sizes
@@ -84,7 +86,7 @@ def levers(res, text, out):
     a, lv = res["args"], res["levers"]
     n = max(a["workers"])
     assert lv["workers"] == n and lv["controller"] == _controller(a)
-    names = a["levers"] or ["defaults", "spe-1"]  # the MLP's own set: the per-step overhead's levers
+    names = a["levers"] or sections.LEVER_SETS["mlp"]  # the MLP's own set: the per-step overhead's levers
     names = names if "defaults" in names else ["defaults", *names]
     rows = lv["rows"]
     assert [(r["model"], r["lever"]) for r in rows] == [(m, name) for m in a["lever_models"] for name in names]

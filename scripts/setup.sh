@@ -61,6 +61,9 @@ case "$STACK $PYVER" in
   keras3*) TF_DEFAULT="tensorflow-cpu==2.18.1"; PINS=("numpy>=2,<2.1" "keras>=3.5,<4") ;;
   keras2*) TF_DEFAULT="tensorflow-cpu==2.15.1"; PINS=("numpy<2") ;;
 esac
+# The bench's plots (matplotlib) on the keras2 stack only: Keras 3 imports matplotlib.pyplot at start-up
+# wherever it is installed (half a second of every worker's start); `pip install matplotlib` draws them.
+case "$STACK" in keras2) EXTRAS="dev,plots" ;; *) EXTRAS="dev" ;; esac
 TF_SPEC=${HVDTRAIN_TF:-$TF_DEFAULT}
 WANT=$( (cat setup.py pyproject.toml scripts/setup.sh; echo "$STACK $PYVER $TF_SPEC") | sha256sum | cut -c1-16)
 
@@ -109,7 +112,7 @@ if ! "$VENV/bin/python" -c "import horovod.tensorflow as h; assert h.mpi_built()
   $PIP install -q --force-reinstall --no-deps "$WHEELS"/horovod-0.28.1-$TAG-*.whl
   $PIP install -q horovod==0.28.1  # its own requirements
 fi
-$PIP install -q -e ".[dev]" "${PINS[@]}"
+$PIP install -q -e ".[$EXTRAS]" "${PINS[@]}"
 # What the user installs into the venv later (pip install pandas) keeps the stack: pip reads the venv's
 # own pip.conf, whose constraints hold TensorFlow, Keras and numpy where this stack has them.
 "$VENV/bin/python" - "$VENV" <<'PY'

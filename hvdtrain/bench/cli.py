@@ -141,10 +141,13 @@ def main(argv) -> int:
         if name in args.sections:
             results[name.replace("-", "_")] = run(args, out, results)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
-    results["plot"] = report.plot(results, out / "scaling.png")
-    written = [results["plot"]] if results["plot"] else []
+    plt = report.pyplot()
+    results["plot"] = report.plot(results, out / "scaling.png", plt) if plt else None
+    written = [results["plot"]] if plt else []
     if "sync_vs_async" in results:
-        written += sync_vs_async.write(results["sync_vs_async"], out)
+        written += sync_vs_async.write(results["sync_vs_async"], out, plt)
     print(report.report(results))
+    if not plt:
+        print("bench: no plots: matplotlib is not installed here (pip install matplotlib draws them)")
     print(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in written))
     return 0

@@ -18,14 +18,20 @@ def spread(values, fmt="{:.3f}") -> str:
 
 
 
-def plot(results: dict, path: Path):
+def pyplot():
+    """matplotlib's pyplot drawing to files, or None: the plots are an extra (`pip install matplotlib`),
+    since Keras 3 imports pyplot in every process wherever it is installed."""
     try:
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
         return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(results: dict, path: Path, plt):
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for controller in {r["controller"] for r in results["scaling"]["rows"]}:
         rows = [r for r in results["scaling"]["rows"] if r["controller"] == controller]

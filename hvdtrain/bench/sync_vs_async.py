@@ -268,20 +268,17 @@ def _with_staleness(model, lags):
 
 # ---------------------------------------------------------------- report
 
-def write(results: dict, out: Path) -> list:
-    """The table (sync-vs-async.txt) and the plots, in the bench's output dir: their paths."""
+def write(results: dict, out: Path, plt) -> list:
+    """The table (sync-vs-async.txt) and, with matplotlib's pyplot, the plots, in the bench's output dir:
+    their paths."""
     path = out / "sync-vs-async.txt"
     path.write_text(table(results) + "\n")
-    return [str(path)] + plot(results, out)
+    return [str(path)] + (plot(results, out, plt) if plt else [])
 
 
-def plot(results: dict, out: Path) -> list:
+def plot(results: dict, out: Path, plt) -> list:
     """One PNG per (task, workers): validation accuracy and loss against training time and against
     samples, each peer's mean over seeds with its range shaded."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     paths = []

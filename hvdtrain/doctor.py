@@ -83,7 +83,31 @@ def mpi():
         found.append("mpi4py: " + MPI.Get_library_version().strip("\x00 \n").splitlines()[0])
     if not found:
         return [check("mpi", WARN, "no mpirun on PATH: use horovodrun --gloo, or install openmpi-bin")]
-    return [check("mpi", OK, "; ".join(found))]
+    import ctypes.util
+
+    return [check("mpi", OK, "; ".join(found))] + pmix_munge(
+        bool(ctypes.util.find_library("munge")), munged_answers(), os.environ.get("PMIX_MCA_psec"))
+
+
+MUNGE_SOCKET = "/run/munge/munge.socket.2"  # munged's default
+
+
+def munged_answers(path=MUNGE_SOCKET) -> bool:
+    """Does a munged listen there (a killed one leaves its socket file behind)?"""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(2)
+        s.connect(path)
+        return True
+    return False
+
+
+def pmix_munge(library: bool, munged: bool, psec: str | None) -> list:
+    """Debian's PMIx (libpmix2 depends on libmunge2) tries munge first; with no munged to answer it
+    retries with growing sleeps: every mpirun, and every Open MPI daemon it starts, waits 2.3 s."""
+    if library and not munged and not psec:
+        return [check("pmix", WARN, "Open MPI's PMIx tries munge first and no munged runs here: every mpirun "
+                                    "waits about 2.3 s for it; export PMIX_MCA_psec=native (or start munged)")]
+    return []
 
 
 def gpus(slots: int):

@@ -32,6 +32,20 @@ def test_doctor_reports_horovod_build_mpi_and_cpu_budget():
     assert r["stack"]["stack"] == ("keras3" if KERAS3 else "keras2") and r["stack"]["tensorflow"] == tf.__version__
 
 
+def test_doctor_warns_that_every_mpirun_waits_for_a_munged_that_is_not_running():
+    """Debian's PMIx tries munge whenever libmunge is installed; the doctor says so where no munged
+    answers, unless PMIX_MCA_psec picks another module (as the tests' own environment does)."""
+    import ctypes.util
+
+    assert doctor.pmix_munge(True, False, None)[0]["detail"].endswith("export PMIX_MCA_psec=native (or start munged)")
+    assert doctor.pmix_munge(True, True, None) == doctor.pmix_munge(False, False, None) == []
+    assert doctor.pmix_munge(True, False, "native") == []
+    waits = bool(ctypes.util.find_library("munge")) and not doctor.munged_answers()
+    for psec, warned in (("", waits), ("native", False)):
+        rc, report = _doctor(env={"PMIX_MCA_psec": psec})
+        assert rc == 0 and ("pmix" in _results(report)) == warned, report
+
+
 def test_hosts_of_one_job_on_different_stacks_are_one_error_naming_each():
     ours = doctor.stack()
     other = {**ours, "stack": "keras2", "tensorflow": "2.15.1", "keras": "2.15.0", "detail": "keras2: ..."}

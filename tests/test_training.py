@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from conftest import KERAS3, LAUNCHERS, run_worker_script, train
+from conftest import KERAS3, LAUNCHERS, PYTHON, run, run_worker_script, train
 
 DIGITS_FAST = ("--model", "mlp", "--data", "digits", "--epochs", "2", "--steps-per-epoch", "5")
 
@@ -19,8 +19,25 @@ def test_every_rank_ends_with_identical_weights_under_the_measured_cpu_defaults(
     # CPU, and a 5 ms Horovod cycle under Gloo (MPI keeps Horovod's 1 ms default)
     env = summary["runtime_env"]
     assert env["OMPI_MCA_mpi_yield_when_idle"] == "1" and env["TF_CPU_ALLOCATOR_USE_BFC"] == "true"
+    assert env["OMPI_MCA_ess_singleton_isolated"] == "1"
     assert env["TF_ENABLE_ONEDNN_OPTS"] == "1"
     assert env["HOROVOD_CYCLE_TIME"] == ("5" if launcher == "gloo" else None)
+
+
+ORTED_CHILDREN = """
+import psutil, hvdtrain
+hvdtrain.init()
+print("children:", sorted(p.name() for p in psutil.Process().children(recursive=True)))
+"""
+
+
+def test_a_worker_started_without_a_launcher_starts_no_mpi_daemon_unless_the_user_asks(tmp_path):
+    """An Open MPI singleton's MPI_Init starts orted and waits for it (2.3 s of each plain `python -m
+    hvdtrain`); hvdtrain isolates it, and a user's own setting wins."""
+    for env, daemon in (({}, False), ({"OMPI_MCA_ess_singleton_isolated": "0"}, True)):
+        proc = run([PYTHON, "-c", ORTED_CHILDREN], env=env, timeout=120)
+        (line,) = [l for l in proc.stdout.splitlines() if l.startswith("children:")] or [proc.stdout[-3000:]]
+        assert ("orted" in line) == daemon, line
 
 
 def test_seed_zero_trains_like_any_other_seed(out):

@@ -296,7 +296,7 @@ def test_each_round_is_kept_and_each_figure_is_paired_with_its_own_round(tmp_pat
         ["defaults", "bind-cores", "side-by-side"]
     one = res["levers"]["rows"][0]["one_worker"]
     assert one[0] != one[1]  # each round measured its own one-worker run
-    progress = [l for l in proc.stdout.splitlines() if l.startswith("bench: ")]  # one per measurement, as it lands
+    progress = [l for l in proc.stdout.splitlines() if l.startswith("bench: levers ")]  # one per measurement, as it lands
     assert len(progress) == 2 * 3, progress
 
 

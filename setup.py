@@ -23,7 +23,7 @@ setup(
     extras_require={
         "cpu": ["tensorflow-cpu>=2.15.1,<2.22"],
         "gpu": ["tensorflow[and-cuda]>=2.15.1,<2.22"],
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6",
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6",
                 # Kubernetes' own JSON schemas, offline: docker/k8s/mpijob.yaml is validated against them
                 "kubernetes-validate>=1.28"],
         # the bench's plots. Not in dev: Keras 3 imports matplotlib.pyplot at start-up wherever it is

@@ -11,12 +11,17 @@ if (($#)); then
   exec .venv/bin/python -m pytest "$@"
 fi
 status=0
-.venv/bin/python -m pytest || status=$?
+# Two tests at a time where each compares only what its own jobs computed; one at a time where a test
+# times what it runs or shares hosts, ports, daemons or the venv (marker `alone`). Two cores: the second
+# test runs while the first waits on a launcher's start, a one-worker reference or a job's exit.
+.venv/bin/python -m pytest -n 2 --dist loadfile -m "not alone" || status=$?
+.venv/bin/python -m pytest -m alone || status=$?
 other=$(.venv/bin/python -c "import tensorflow as tf; print('keras2' if hasattr(tf.keras, 'ops') else 'keras3')")
 if py=$(bash scripts/python_for.sh "$other"); then
   echo "test: the $other stack, tests marked 'stacks' (Python $py)"
   PYTHON=$py HVDTRAIN_STACK=$other HVDTRAIN_VENV=.venv-$other bash scripts/setup.sh
-  ".venv-$other/bin/python" -m pytest -m stacks -p no:cacheprovider || status=$?
+  ".venv-$other/bin/python" -m pytest -p no:cacheprovider -n 2 --dist loadfile -m "stacks and not alone" || status=$?
+  ".venv-$other/bin/python" -m pytest -p no:cacheprovider -m "stacks and alone" || status=$?
 else
   echo "test: no Python for the $other stack on this machine: its tests are not run"
 fi

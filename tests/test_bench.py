@@ -17,6 +17,8 @@ from conftest import KERAS3, PYTHON, ROOT, job_env, run
 from doc_commands import all_commands, is_bench, shell, small
 from hvdtrain.bench import launch, sections
 
+pytestmark = pytest.mark.alone  # the bench's sections time what they run
+
 THIS_STACK = "keras3" if KERAS3 else "keras2"
 MLP_STEPS = sections.MODEL_SIZES["mlp"][1]  # the MLP's epoch in the sections that compare whole runs, x --steps
 

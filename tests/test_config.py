@@ -8,6 +8,8 @@ import pytest
 from hvdtrain import config
 from hvdtrain.config import Config, UserError
 
+pytestmark = pytest.mark.alone  # it pip-installs into the venv every other test imports from
+
 
 def test_flags_win_over_yaml_and_yaml_over_defaults(tmp_path):
     f = tmp_path / "c.yaml"

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT, run
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.docker, pytest.mark.alone]
 
 IMAGE = os.environ.get("HVDTRAIN_IMAGE", "hvdtrain:cpu")
 PROJECT = "hvdtraintest"

@@ -2,9 +2,12 @@
 are read from the files (tests/doc_commands.py), so an edited command is the command tested; those
 naming host1/host2 run on the netns hosts in tests/test_multihost.py, the bench's in tests/test_bench.py."""
 
+import pytest
 
 from conftest import run
 from doc_commands import NOT_RUN, all_commands, is_bench, names_hosts, shell, small
+
+pytestmark = pytest.mark.alone  # the docs' commands write where the docs say
 
 LOCAL = [(where, cmd) for where, cmd in all_commands()
          if not names_hosts(cmd) and "hostfiles/" not in cmd and cmd not in NOT_RUN and not is_bench(cmd)]

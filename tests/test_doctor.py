@@ -7,6 +7,8 @@ import pytest
 from conftest import KERAS3, ROOT, launch
 from hvdtrain import doctor
 
+pytestmark = pytest.mark.alone  # it reads this host's cores and processes
+
 
 def _doctor(*flags, np_=1, launcher=None, env=None):
     proc = launch(np_, launcher, ["-m", "hvdtrain", "doctor", "--json", *flags], timeout=180, env=env)

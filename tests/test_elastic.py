@@ -16,6 +16,8 @@ import pytest
 
 from conftest import BIN, PYTHON, ROOT, job_env, processes_of, run, run_worker_script, spawn
 
+pytestmark = pytest.mark.alone  # hosts join and leave on a clock
+
 EPOCHS = 60
 
 

@@ -13,6 +13,8 @@ import pytest
 from conftest import launch, pid_of_rank, processes_of, start
 from hvdtrain.watchdog import Peer, stuck_bound, verdict
 
+pytestmark = pytest.mark.alone  # a hang is named within a bound of seconds
+
 EPOCHS_OF_20_STEPS = ["--model", "mlp", "--data", "digits", "--steps-per-epoch", "20", "--verbose", "0",
                       "--no-tensorboard"]
 

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import BIN, error_lines, job_env, PYTHON, ROOT, run
 
-pytestmark = pytest.mark.multihost
+pytestmark = [pytest.mark.multihost, pytest.mark.alone]
 
 CLUSTER = ROOT / "scripts" / "netns_cluster.sh"
 HOSTS = "node1:2,node2:2"

@@ -10,7 +10,7 @@ import pytest
 from conftest import BIN, PYTHON, ROOT, job_env, run
 from test_multihost import ENV_NAMES, MPI_YIELD, netns_hosts
 
-pytestmark = pytest.mark.scale
+pytestmark = [pytest.mark.scale, pytest.mark.alone]
 
 HOSTS = "node1:8,node2:8,node3:8,node4:8"
 TRAIN = ["-m", "hvdtrain", "--model", "mlp", "--data", "synthetic", "--synthetic-shape", "8", "8", "1",

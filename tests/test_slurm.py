@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, job_env
 from test_multihost import _why_no_cluster
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.alone]
 
 SMALL = ["--epochs", "2", "--steps-per-epoch", "5", "--verbose", "0", "--no-tensorboard"]
 LONG = ["--model", "mlp", "--data", "synthetic", "--synthetic-shape", "8", "8", "1", "--synthetic-samples", "40000",

@@ -7,6 +7,8 @@ import pytest
 
 from conftest import LAUNCHERS, launch, processes_of
 
+pytestmark = pytest.mark.alone  # no process or port may be left
+
 # 9 in the suite (3 per launcher, about 2.5 min); the soak is HVDTRAIN_SOAK_JOBS=30 (7.5 min)
 JOBS = int(os.environ.get("HVDTRAIN_SOAK_JOBS", "9"))
 TINY = ("-m", "hvdtrain", "--model", "mlp", "--data", "digits", "--epochs", "1", "--steps-per-epoch", "2",

@@ -9,8 +9,8 @@ from conftest import LAUNCHERS, launch, processes_of
 
 pytestmark = pytest.mark.alone  # no process or port may be left
 
-# 9 in the suite (3 per launcher, about 2.5 min); the soak is HVDTRAIN_SOAK_JOBS=30 (7.5 min)
-JOBS = int(os.environ.get("HVDTRAIN_SOAK_JOBS", "9"))
+# 6 in the suite (2 per launcher, about a minute); the soak is HVDTRAIN_SOAK_JOBS=30 (7.5 min)
+JOBS = int(os.environ.get("HVDTRAIN_SOAK_JOBS", "6"))
 TINY = ("-m", "hvdtrain", "--model", "mlp", "--data", "digits", "--epochs", "1", "--steps-per-epoch", "2",
         "--verbose", "0", "--no-tensorboard", "--no-save-model", "--no-keep-best", "--checkpoint-every", "0")
 

@@ -31,7 +31,7 @@ print("children:", sorted(p.name() for p in psutil.Process().children(recursive=
 """
 
 
-def test_a_worker_started_without_a_launcher_starts_no_mpi_daemon_unless_the_user_asks(tmp_path):
+def test_a_worker_started_without_a_launcher_starts_no_mpi_daemon_unless_the_user_asks():
     """An Open MPI singleton's MPI_Init starts orted and waits for it (2.3 s of each plain `python -m
     hvdtrain`); hvdtrain isolates it, and a user's own setting wins."""
     for env, daemon in (({}, False), ({"OMPI_MCA_ess_singleton_isolated": "0"}, True)):

@@ -143,7 +143,7 @@ def main(argv) -> int:
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     plt = report.pyplot()
     results["plot"] = report.plot(results, out / "scaling.png", plt) if plt else None
-    written = [results["plot"]] if plt else []
+    written = [results["plot"]] if results["plot"] else []
     if "sync_vs_async" in results:
         written += sync_vs_async.write(results["sync_vs_async"], out, plt)
     print(report.report(results))

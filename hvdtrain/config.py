@@ -435,3 +435,40 @@ def _read_yaml(path: str) -> dict:
     if "config" in doc:
         raise UserError(f"--config {path}: a config file cannot name another config file")
     return doc
+
+
+def flags_markdown() -> str:
+    """The flags as a markdown table (flag, default, what it does), made from the parser build_parser()
+    makes and the fields' own metadata, so that the docs cannot restate them by hand: docs/training.md
+    holds this table between marker comments (scripts/flags_doc.py writes it there; a test compares)."""
+    import re
+
+    def cell(text: str) -> str:  # paths such as runs/<model>-<data> as code, so that <...> shows
+        return re.sub(r"(\S*<[^>\s]+>\S*)", r"`\1`", text).replace("|", "\\|")
+
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    kinds = {int: "N", float: "X", str: "TEXT"}
+    rows = ["| flag | default | what it does |", "| --- | --- | --- |"]
+    for action in build_parser()._actions:
+        if action.dest not in fields:
+            continue  # --help
+        f, text = fields[action.dest], fields[action.dest].metadata["help"]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flag = ", ".join(f"`{s}`" for s in action.option_strings)
+        else:
+            kind = "K=V" if action.dest in SPECIAL else kinds.get(action.type, "VALUE")
+            args = f"{kind} ..." if action.nargs == "*" else " ".join([kind] * (action.nargs or 1))
+            flag = f"`{action.option_strings[0]} {args}`"
+        said = re.search(r" \(default: (.*)\)$", text) or re.search(r"; default: ([^;]*)", text)
+        if said:
+            default, text = said.group(1), text[:said.start()] + text[said.end():]
+        elif f.default is None:
+            default = "unset"
+        elif isinstance(f.default, bool):
+            default = "on" if f.default else "off"
+        elif isinstance(f.default, tuple):
+            default = " ".join(str(v) for v in f.default) or "none"
+        else:
+            default = str(f.default)
+        rows.append(f"| {flag} | {cell(default)} | {cell(text)} |")
+    return "\n".join(rows) + "\n"

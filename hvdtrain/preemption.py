@@ -13,13 +13,9 @@ import contextlib
 import signal
 
 from . import compat, runtime
-from .runtime import log
+from .runtime import EXIT_STATUS, Preempted, log
 
-EXIT_STATUS = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, the same command may be run again
-
-
-class Preempted(Exception):
-    """Every rank stopped at the same step on a signal; a checkpoint of that step is written."""
+__all__ = ["EXIT_STATUS", "Preempted", "flag", "handling", "watcher", "usable"]
 
 
 class _Flag:

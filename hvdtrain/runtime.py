@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 from .config import UserError
@@ -22,6 +23,7 @@ log = logging.getLogger("hvdtrain")
 # before a worker has paid for importing TensorFlow.
 _RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
+EXIT_STATUS = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, the same command may be run again
 GLOO_CPU_CYCLE_TIME_MS = "5"  # Horovod's cycle time for CPU workers under Gloo (its default is 1 ms)
 
 
@@ -216,6 +218,10 @@ def cpu_threads_per_worker(local_size: int) -> int:
     return max(1, cores // max(1, local_size))
 
 
+class Preempted(Exception):
+    """Every rank stopped at the same step on a signal; a checkpoint of that step is written."""
+
+
 class TrainingFailed(Exception):
     """A worker's own training step raised: the message names the rank, the step, the op and the
     cause; the traceback is in that worker's log file."""
@@ -223,6 +229,51 @@ class TrainingFailed(Exception):
 
 class PeerFailed(Exception):
     """Another rank failed during set-up and said so in a collective this rank was waiting in."""
+
+
+# ---------------------------------------------------------------- collectives, and what a rank waits in
+
+_waiting: tuple | None = None  # (what, since: monotonic) while this rank waits in one of hvdtrain's collectives
+
+
+@contextlib.contextmanager
+def collective(what: str):
+    """This rank waits in the collective `what` (the watchdog reports it: ranks that all wait, each in
+    another collective, are named instead of left waiting forever)."""
+    global _waiting
+    outer, _waiting = _waiting, (what, time.monotonic())
+    try:
+        yield
+    finally:
+        _waiting = outer
+
+
+def waiting() -> tuple | None:
+    """(the collective this rank waits in, for how many seconds), or None."""
+    now = _waiting
+    return None if now is None else (now[0], time.monotonic() - now[1])
+
+
+def same_on_every_rank(decisions: dict, where: str):
+    """Check that every rank took the same `decisions` (a name -> value of what shapes the traced step
+    or the order of collectives): each rank decides on its own view (its callbacks, its data, its
+    settings), and ranks that decided differently would trace different steps and wait forever in
+    collectives that never meet. One gather; a difference is one UserError, the same on every rank."""
+    if _world.size == 1 or _alone:
+        return
+    got = gather({k: repr(v) for k, v in decisions.items()})
+    differ = [k for k in decisions if len({repr(g.get(k)) for g in got}) > 1]
+    if differ:
+        def values(k):
+            by_value: dict = {}
+            for r, g in enumerate(got):
+                by_value.setdefault(g.get(k), []).append(r)
+            return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}"
+                             for v, rs in by_value.items())
+
+        raise UserError(f"{where}: the ranks decided differently, and would wait forever in collectives that never "
+                        f"meet: " + " | ".join(f"{k}: {values(k)}" for k in differ) +
+                        ". Give every rank the same settings, callbacks and data")
 
 
 _GATHER = "hvdtrain.gather"  # one name for every set-up gather: a failed rank can answer any of them
@@ -239,7 +290,8 @@ def gather(obj) -> list:
         return [obj]
     import horovod.tensorflow as hvd
 
-    got = hvd.allgather_object((True, obj), name=_GATHER)
+    with collective("hvdtrain's set-up gather"):
+        got = hvd.allgather_object((True, obj), name=_GATHER)
     failed = [(r, v) for r, (ok, v) in enumerate(got) if not ok]
     if failed:
         raise PeerFailed(_where(failed))
@@ -289,11 +341,27 @@ def all_ranks_agree(fn, *args, **kwargs):
         return result
     import horovod.tensorflow as hvd
 
-    got = hvd.allgather_object((error is None, error), name=_GATHER)
+    with collective("hvdtrain's set-up gather"):
+        got = hvd.allgather_object((error is None, error), name=_GATHER)
     failed = [(r, e) for r, (ok, e) in enumerate(got) if not ok]
     if failed:
         raise UserError(_where(failed))
     return result
+
+
+class UnexpectedFallback(Exception):
+    """A fast path gave way to its slower fallback under HVDTRAIN_NO_FALLBACK=1 (the tests set it)."""
+
+
+def fallback(key: str, what: str, error: Exception):
+    """A fast path failed and its slower fallback runs instead: said where the user sees it (a
+    warning). Under HVDTRAIN_NO_FALLBACK=1, as the tests run, it raises instead, so that a broken fast
+    path fails a test rather than slow a user down; a test that expects the fallback `key` lists it in
+    HVDTRAIN_EXPECTED_FALLBACKS (comma-separated)."""
+    if os.environ.get("HVDTRAIN_NO_FALLBACK") == "1" and \
+            key not in os.environ.get("HVDTRAIN_EXPECTED_FALLBACKS", "").split(","):
+        raise UnexpectedFallback(f"{key}: {what} ({type(error).__name__}: {error})") from error
+    log.warning("%s (%s: %s)", what, type(error).__name__, str(error)[:300])
 
 
 EVERY_RANK = {"every_rank": True}
@@ -337,8 +405,6 @@ def report_errors_once():
         return
 
     def hook(kind, value, tb):
-        from .preemption import EXIT_STATUS, Preempted
-
         if issubclass(kind, Preempted):  # the status a scheduler's requeue or a relaunch loop looks for
             if _world.is_chief:
                 print(f"hvdtrain: {value}", file=sys.stderr, flush=True)
@@ -347,8 +413,6 @@ def report_errors_once():
         if not issubclass(kind, (UserError, TrainingFailed)):
             return previous(kind, value, tb)
         if issubclass(kind, UserError) and not _world.is_chief:
-            import time
-
             time.sleep(3)  # rank 0 speaks for all (the launcher ends the others once one exits)
             return None
         print(f"hvdtrain: error: {value}", file=sys.stderr, flush=True)

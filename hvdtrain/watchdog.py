@@ -32,8 +32,7 @@ import threading
 import time
 
 from . import runtime
-from .preemption import EXIT_STATUS
-from .runtime import log
+from .runtime import EXIT_STATUS, log
 
 STUCK_FLOOR_S, STUCK_MEDIAN_STEPS = 180.0, 50  # the default stuck bound: max(3 min, 50 median steps)
 FIRST_STEP_FACTOR = 5  # a rank's first step of a fit may trace and compile (XLA): 5 bounds, 15 min by default

@@ -196,3 +196,19 @@ def test_sequence_epoch_ends_before_training_is_what_keras_fit_calls():
     model.fit(seq, epochs=2, verbose=0, shuffle=False)
     before = compat.sequence_epoch_ends_before_training()
     assert seq.reads[-4:] == [before, before, before + 1, before + 1] and seq.ended == 2 + before
+
+
+def test_a_resume_inside_an_epoch_parses_no_skipped_record(monkeypatch):
+    """skip_cheaply moves the skip below the pipeline's map and batch: the 20 records of the 5 skipped
+    batches are read, but the map (the parsing) runs only for the 80 that train."""
+    monkeypatch.setenv("HVDTRAIN_NO_FALLBACK", "1")
+    calls = tf.Variable(0, dtype=tf.int64)
+
+    def parse(i):
+        calls.assign_add(1)
+        return i * 2
+
+    rest = data.skip_cheaply(tf.data.Dataset.range(100).map(parse).batch(4).prefetch(2), 5)
+    batches = [b.numpy().tolist() for b in rest]
+    assert batches[0] == [40, 42, 44, 46] and len(batches) == 20
+    assert int(calls.numpy()) == 80

@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from .. import compat
+from .. import compat, runtime
 from ..config import DEFAULT_BATCH_SIZE, Config, UserError
 from ..runtime import World, log
 from . import agree
@@ -341,6 +341,8 @@ def auto_sharded(ds, workers: int, rank: int):
 def skip_cheaply(ds, n: int):
     """ds.skip(n), with the skip moved below the pipeline's own maps and batches (rebuilt above it
     from their traced functions): what is skipped is read, but not parsed or decoded."""
+    import tensorflow as tf
+
     if not n:
         return ds
     stages, below, count = [], ds, n
@@ -356,9 +358,9 @@ def skip_cheaply(ds, n: int):
         if out.element_spec != ds.element_spec:
             raise ValueError(f"{out.element_spec} != {ds.element_spec}")
         return out
-    except Exception as e:  # a stage tf.data does not let us rebuild: skip the slow way
-        log.info("resuming inside an epoch: skipping %d elements of the pipeline by reading "
-                         "them (%s: %s)", n, type(e).__name__, str(e)[:200])
+    except (ValueError, TypeError, tf.errors.OpError) as e:  # a stage tf.data does not let us rebuild
+        runtime.fallback("skip", f"resuming inside an epoch: skipping {n} elements of the pipeline by reading "
+                                 f"and parsing them, since its stages could not be rebuilt below the skip", e)
         return ds.skip(n)
 
 
@@ -372,7 +374,7 @@ def again(stage, ds):
     if name == "_BatchDataset":
         size, drop = compat.batch_of(stage)
         return ds.batch(size, drop_remainder=drop)
-    return compat.mapagain(stage, ds, tf.data.AUTOTUNE if name == "_ParallelMapDataset" else None)
+    return compat.map_again(stage, ds, tf.data.AUTOTUNE if name == "_ParallelMapDataset" else None)
 
 
 def unrepeatable(ds) -> Optional[str]:

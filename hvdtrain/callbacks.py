@@ -23,7 +23,8 @@ from .checkpoint import per_rank_variables
 def _allreduce(tensors, op):
     import horovod.tensorflow as hvd
 
-    return hvd.grouped_allreduce(tensors, op=op, name="hvdtrain.epoch_end")
+    with runtime.collective("the epoch's end (hvdtrain.epoch_end, the metrics' allreduce)"):
+        return hvd.grouped_allreduce(tensors, op=op, name="hvdtrain.epoch_end")
 
 
 def average_non_trainable(model):
@@ -300,7 +301,8 @@ def checkpoints(cfg, ckpts, steps_per_epoch: int, first_epoch: int, first_step: 
                 if runtime.world().size > 1:
                     import horovod.tensorflow as hvd
 
-                    every = hvd.broadcast_object(every, root_rank=0, name="hvdtrain.checkpoint_every")
+                    with runtime.collective("a step checkpoint's interval (hvdtrain.checkpoint_every)"):
+                        every = hvd.broadcast_object(every, root_rank=0, name="hvdtrain.checkpoint_every")
                 self.every, self.measured = every, True
             self.mark = (now, time.perf_counter())
             self.next_at = now + self.every
@@ -368,15 +370,29 @@ def for_this_rank(callbacks, chief: bool) -> list:
     return kept
 
 
-BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+def acting_per_batch(callbacks) -> list:
+    """The names of the callbacks that act per training batch (Keras then calls every callback at
+    every step): asked of every user's callback, those rank 0 alone runs included, so that every rank
+    decides the same steps per call."""
+    return [type(cb).__name__ for cb in callbacks if compat.acts_per_batch(cb)]
 
 
-def has_batch_hooks(callbacks) -> bool:
-    """Does a callback act per training batch (Keras then calls every callback every batch)?"""
+def agree_to_stop():
+    """The callback, last at every epoch's end, that makes one rank's stop every rank's: a callback
+    that runs on rank 0 alone (or decides on a rank's own view) may set stop_training there, and a
+    rank that stopped alone would leave the others waiting in the next step's allreduce."""
     import tensorflow as tf
 
-    return any(getattr(type(cb), hook) is not getattr(tf.keras.callbacks.Callback, hook)
-               for cb in callbacks for hook in BATCH_HOOKS)
+    class AgreeToStop(tf.keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            stops = runtime.gather(bool(self.model.stop_training))
+            if any(stops) and not all(stops):
+                runtime.log.info("epoch %d: a callback on rank%s %s stopped training there: every rank stops",
+                                 epoch + 1, "s" if sum(stops) > 1 else "",
+                                 ", ".join(str(r) for r, s in enumerate(stops) if s))
+            self.model.stop_training = any(stops)
+
+    return AgreeToStop()
 
 
 def following_the_learning_rate(learning_rate, batch_hooks: bool) -> tuple:
@@ -412,7 +428,8 @@ def following_the_learning_rate(learning_rate, batch_hooks: bool) -> tuple:
             if agree and runtime.world().size > 1:
                 import horovod.tensorflow as hvd
 
-                ratio = hvd.broadcast_object(ratio, root_rank=0, name="hvdtrain.lr_ratio")
+                with runtime.collective("the learning rate's change by a callback (hvdtrain.lr_ratio)"):
+                    ratio = hvd.broadcast_object(ratio, root_rank=0, name="hvdtrain.lr_ratio")
             if ratio != 1.0:
                 learning_rate.factor.assign(learning_rate.factor * ratio)
                 lr = self.model.optimizer.learning_rate

@@ -209,7 +209,8 @@ def gather_per_rank_state(model):
         return mine[None]
     import horovod.tensorflow as hvd
 
-    return hvd.allgather(tf.constant(mine[None]), name="hvdtrain.rank_state").numpy()
+    with runtime.collective("a checkpoint's gather of every rank's state (hvdtrain.rank_state)"):
+        return hvd.allgather(tf.constant(mine[None]), name="hvdtrain.rank_state").numpy()
 
 
 def find(cfg: Config) -> str | None:

@@ -132,6 +132,54 @@ def steps_per_execution(model) -> int:
     return int(n.numpy()) if hasattr(n, "numpy") else int(n)
 
 
+def acts_per_batch(callback) -> bool:
+    """Does Keras call this callback for something at every training batch? Keras 2 asks the callback
+    itself (_implements_train_batch_hooks: a ModelCheckpoint saving per epoch says no). Keras 3 has no
+    such question and calls every callback's hooks: its batch hooks overridden, said the same way for
+    the Keras callbacks that do nothing per batch as configured (ModelCheckpoint with
+    save_freq="epoch", TensorBoard writing per epoch without a profile)."""
+    import tensorflow as tf
+
+    if not keras3():
+        return bool(callback._implements_train_batch_hooks())
+    base = tf.keras.callbacks.Callback
+    hooks = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+    if not any(getattr(type(callback), h) is not getattr(base, h) for h in hooks):
+        return False
+    if isinstance(callback, tf.keras.callbacks.ModelCheckpoint):
+        return callback.save_freq != "epoch"
+    if isinstance(callback, tf.keras.callbacks.TensorBoard):
+        return bool(callback._should_trace or callback.write_steps_per_second or callback.update_freq != "epoch")
+    return True
+
+
+def serialize_as(cls, base):
+    """Keras saves an instance of `cls` (the distributed optimizer: hvdtrain's subclass of the user's
+    optimizer class on Keras 3, Horovod's on Keras 2) as one of `base`: a user's
+    ModelCheckpoint("best.keras") then loads in plain Keras, neither hvdtrain nor Horovod imported.
+    Keras names its own classes by their public name, found by class (Keras 3: a registry; Keras 2:
+    the class's own _keras_api_names), and a user's class by its registered name (a registry by
+    class); `cls` is given `base`'s, from class to name only, so that loading makes a `base`."""
+    if keras3():
+        from keras.src import api_export
+        from keras.src.saving import object_registration
+
+        public = api_export.get_name_from_symbol(base)
+        if public is not None:
+            api_export.REGISTERED_OBJS_TO_NAMES[cls] = public
+            return
+    else:
+        from keras.src.saving import object_registration
+
+        names = {a: base.__dict__[a] for a in ("_keras_api_names", "_keras_api_names_v1") if a in base.__dict__}
+        if names:
+            for attr, value in names.items():
+                setattr(cls, attr, value)
+            return
+    by_class = object_registration.GLOBAL_CUSTOM_NAMES if keras3() else object_registration._GLOBAL_CUSTOM_NAMES
+    by_class[cls] = object_registration.get_registered_name(base)
+
+
 def calls_can_be_cut_short() -> bool:
     """Keras 2 reads steps_per_execution before every call of the step, so a call can be cut short
     to end on a given step; Keras 3 fixes it for the whole fit() (its epoch iterator and traced loop)."""

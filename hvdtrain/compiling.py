@@ -20,6 +20,7 @@ class Trainer:
     steps_per_execution: int
     notes: list
     callbacks: list  # the user's, those this rank runs
+    per_batch: list  # the names of the user's callbacks that act per batch, on any rank
 
     def peak_lr(self, cfg: Config, world) -> float | None:
         lr = self.optimizer["lr"]
@@ -30,9 +31,13 @@ def compile_for_training(model, cfg: Config, world: runtime.World, data, callbac
     """Compile `model` as its user did (or as the flags say), with the optimizer scaled and wrapped.
     Returns (the config resolved: the batch size of the data, the one-worker lr it trains with;
     Trainer). Callbacks that act per batch make Keras call them every step, as plain Keras does (1
-    step per call)."""
+    step per call): `callbacks` are all of the user's, those rank 0 alone will run included, so that
+    every rank decides alike; what shapes the traced step is then checked to be the same on every
+    rank (runtime.same_on_every_rank)."""
     cfg = dataclasses.replace(cfg, batch_size=data.batch_size)
-    plan = models.compile_plan(model, cfg, data.steps_per_epoch, callbacks_lib.has_batch_hooks(callbacks))
+    per_batch = callbacks_lib.acting_per_batch(callbacks)
+    # one stream across epochs (an infinite pipeline) has no epoch's end for a call to stop at
+    plan = models.compile_plan(model, cfg, data.steps_per_epoch if data.epoch is None else None, bool(per_batch))
     _xla_only_where_horovod_has_it(plan, cfg, world)
     again = optimizer.made(plan.optimizer)  # fit() again, not compiled since: Keras' optimizer goes on
     if again is not None and again.settings == optimizer.settings(cfg):
@@ -54,8 +59,36 @@ def compile_for_training(model, cfg: Config, world: runtime.World, data, callbac
              info["class"], info["source"], "a schedule" if info["lr"] is None else f"{info['lr']:g}",
              plan.steps_per_execution)
     _refuse_data_without_targets(model, data.element_spec)
+    _build_model(model, data.element_spec)
     _build_loss_and_metrics(model, data.element_spec)
-    return cfg, Trainer(learning_rate, info, plan.loss, plan.steps_per_execution, plan.notes + notes, callbacks)
+    runtime.same_on_every_rank(_decisions(model, cfg, data, plan, per_batch), f"{model.name}'s training step")
+    return cfg, Trainer(learning_rate, info, plan.loss, plan.steps_per_execution, plan.notes + notes,
+                        callbacks_lib.for_this_rank(callbacks, world.is_chief), per_batch)
+
+
+def _decisions(model, cfg: Config, data, plan, per_batch: list) -> dict:
+    """What each rank decided, on its own view, that shapes the traced step or the order of the
+    collectives (docs/reliability.md lists them with how each is made the same)."""
+    import tensorflow as tf
+
+    return {
+        "steps per call": plan.steps_per_execution,
+        "callbacks acting per batch": per_batch,
+        "the train step": f"{type(model).__qualname__}.train_step"
+                          f"{' (its own)' if type(model).train_step is not tf.keras.Model.train_step else ''}",
+        "precision": tf.keras.mixed_precision.global_policy().name,
+        "loss scaling": isinstance(model.optimizer, tf.keras.mixed_precision.LossScaleOptimizer),
+        "jit_compile": plan.kwargs.get("jit_compile"),
+        "steps per epoch": data.steps_per_epoch,
+        "batch size": data.batch_size,
+        "batches": str(data.element_spec),
+        "validation": data.val is not None,
+        **{f"--{k.replace('_', '-')}": v for k, v in cfg.to_dict().items() if k not in LOCAL_SETTINGS},
+    }
+
+
+# settings that may differ between ranks: what a rank prints or how many threads it computes with
+LOCAL_SETTINGS = ("verbose", "log_every", "threads", "worker_logs", "config")
 
 
 def _xla_only_where_horovod_has_it(plan, cfg: Config, world: runtime.World):
@@ -85,6 +118,32 @@ def _refuse_data_without_targets(model, element_spec):
                         f"loss={models.describe(loss)}; return (x, y) pairs from the data")
 
 
+def _zeros_like(element_spec):
+    """(x, y, sample_weight) of one batch of zeros shaped as the data's, an unknown length as 1."""
+    import tensorflow as tf
+
+    x, y, w = tf.keras.utils.unpack_x_y_sample_weight(element_spec)  # y, w: None when absent
+    return tf.nest.map_structure(
+        lambda s: None if s is None else tf.zeros([1] + [d or 1 for d in s.shape[1:]], s.dtype), (x, y, w))
+
+
+def _build_model(model, element_spec):
+    """A model whose layers make their weights at its first call (a keras.Model subclass written as
+    keras.io does) is called once, on zeros shaped as the data: its weights must exist before rank 0's
+    are broadcast and the optimizer's slots built, as plain Keras builds it before its first step."""
+    import tensorflow as tf
+
+    if model.built and model.weights:
+        return
+    x, _, _ = _zeros_like(element_spec)
+    try:
+        model(x, training=False)
+    except (ValueError, TypeError, tf.errors.OpError) as e:
+        raise UserError(f"{model.name} has no weights yet and could not be called on a batch shaped as the "
+                        f"data ({type(e).__name__}: {str(e)[:200]}); build it before hvdtrain.fit: "
+                        f"model.build(input_shape), or call it on a batch") from None
+
+
 def _build_loss_and_metrics(model, element_spec):
     """Keras builds the compiled loss and metrics inside the first step, and a tf.function whose first
     trace creates variables is traced a second time: the whole step, twice (about 2 s of ResNet-50's
@@ -108,8 +167,7 @@ def _build_loss_and_metrics(model, element_spec):
     if not all(type(s) is tf.TensorSpec and s.shape.rank for s in specs(x, y, w)) or not all(
             s.shape[1:].is_fully_defined() for s in specs(y, w)):
         return
-    x, y, w = tf.nest.map_structure(
-        lambda s: None if s is None else tf.zeros([1] + [d or 1 for d in s.shape[1:]], s.dtype), (x, y, w))
+    x, y, w = _zeros_like(element_spec)
     try:
         y_pred = model(x, training=False)
         model.compute_loss(x, y, y_pred, w)

@@ -129,6 +129,10 @@ class Config:
                                                    "this long while the others wait there (its input pipeline or "
                                                    "step blocked), then end the job as above; default: the larger "
                                                    "of 180 s and 50 median steps; 0: off")
+    hang_collective_seconds: float = _f(60.0, "name the ranks when every one has waited this long in a "
+                                              "collective that never completes (they wait in different ones, "
+                                              "or traced their steps differently), then end the job as above; "
+                                              "0: off")
     deterministic: bool = _f(True, "deterministic TensorFlow ops: same seed, same weights, bit for bit")
     # Horovod knobs
     horovod_timeline: Optional[str] = _f(None, "write Horovod's Chrome-trace timeline here (rank 0)")
@@ -191,7 +195,7 @@ class Config:
                             f"got {list(self.lr_decay_epochs)}")
         if self.lr_schedule == "step" and not self.lr_decay_epochs:
             raise UserError("--lr-schedule step needs --lr-decay-epochs, e.g. --lr-decay-epochs 30 60")
-        for name in ("hang_frozen_seconds", "hang_stuck_seconds"):
+        for name in ("hang_frozen_seconds", "hang_stuck_seconds", "hang_collective_seconds"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise UserError(f"--{_flag(name)} must be 0 (off) or a number of seconds, got {getattr(self, name)}")
         for name in ("fusion_threshold_mb", "cycle_time_ms", "stall_check_seconds", "stall_shutdown_seconds"):
@@ -262,6 +266,9 @@ class Config:
             env["HOROVOD_TIMELINE"] = os.path.abspath(self.horovod_timeline)
         if self.stall_check_seconds:
             env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(self.stall_check_seconds)
+        elif self.hang_collective_seconds and "HOROVOD_STALL_CHECK_TIME_SECONDS" not in os.environ:
+            # Horovod's stall warning (every 60 s, the tensors of every rank) comes after hvdtrain's line
+            env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(int(max(60, 2 * self.hang_collective_seconds)))
         if self.stall_shutdown_seconds:
             env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(self.stall_shutdown_seconds)
         if self.fusion_threshold_mb:

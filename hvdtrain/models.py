@@ -122,7 +122,8 @@ class Compile:
 
 def compile_plan(model, cfg, steps_per_epoch: int | None = None, batch_callbacks: bool = False) -> Compile:
     """Keep what the user compiled; flags replace parts of it (with a note); fill in what is missing.
-    steps_per_epoch: the epoch's length, which the steps per call divide under Keras 3 (None: unknown).
+    steps_per_epoch: the epoch's length of one stream across epochs, which the steps per call divide
+    under Keras 3 (None: the data end every epoch).
     batch_callbacks: the user's callbacks act per batch: unless asked otherwise, 1 step per call."""
     user = compat.compile_config(model)
     notes = []
@@ -171,14 +172,15 @@ def compile_plan(model, cfg, steps_per_epoch: int | None = None, batch_callbacks
 
 
 def _whole_calls(per_call: int, steps_per_epoch: int, notes: list) -> int:
-    """Keras 3 fixes the steps per call for a whole fit() and runs whole calls: an epoch's last call
-    would read the next epoch's batches (Keras 2 reads the count before every call, and cuts the last
-    call short). So the count divides the epoch: epochs end, and a resumed epoch's rest starts, on a
-    call's end; a step checkpoint lands at the end of the call that reaches its step."""
+    """One stream across epochs under Keras 3, which fixes the steps per call for a whole fit() and,
+    reading one iterator across epochs, runs whole calls: an epoch's last call would read the next
+    epoch's batches. So the count divides the epoch (finite data end each epoch's last call where the
+    epoch ends instead: data.Data.feed)."""
     fits = max(n for n in range(1, per_call + 1) if steps_per_epoch % n == 0)
     if fits != per_call:
-        notes.append(f"{fits} step{'s' if fits > 1 else ''} per call, not {per_call}: Keras 3 runs whole calls, "
-                     f"so the count divides the epoch's {steps_per_epoch} steps")
+        notes.append(f"{fits} step{'s' if fits > 1 else ''} per call, not {per_call}: the data are one stream "
+                     f"across epochs, and Keras 3 runs whole calls, so the count divides the epoch's "
+                     f"{steps_per_epoch} steps")
     return fits
 
 

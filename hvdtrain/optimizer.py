@@ -146,6 +146,7 @@ def distributed(opt, cfg: Config):
         sparse_as_dense=cfg.sparse_as_dense,
         num_groups=cfg.allreduce_groups)
     _Keras2Patches(dist)
+    compat.serialize_as(type(dist), type(opt))
     return dist
 
 
@@ -187,6 +188,7 @@ def _distributed_keras3(opt, cfg: Config):
 
     cls = type(f"Distributed{base.__name__}", (base,), {"apply": apply, "user_class": base,
                                                          "__module__": __name__})
+    compat.serialize_as(cls, base)
     return cls.from_config(config)
 
 

@@ -290,7 +290,7 @@ def gather(obj) -> list:
         return [obj]
     import horovod.tensorflow as hvd
 
-    with collective("hvdtrain's set-up gather"):
+    with collective("a gather of hvdtrain's (hvdtrain.gather)"):
         got = hvd.allgather_object((True, obj), name=_GATHER)
     failed = [(r, v) for r, (ok, v) in enumerate(got) if not ok]
     if failed:
@@ -341,7 +341,7 @@ def all_ranks_agree(fn, *args, **kwargs):
         return result
     import horovod.tensorflow as hvd
 
-    with collective("hvdtrain's set-up gather"):
+    with collective("a gather of hvdtrain's (hvdtrain.gather)"):
         got = hvd.allgather_object((error is None, error), name=_GATHER)
     failed = [(r, e) for r, (ok, e) in enumerate(got) if not ok]
     if failed:

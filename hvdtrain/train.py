@@ -139,7 +139,7 @@ def run(cfg: Config, given: Given = Given(), notes=()) -> dict:
             model = given.model if given.model is not None else runtime.all_ranks_agree(models.build, cfg.model, data)
             # 5. compiled with the distributed optimizer; the config resolved (batch size, learning rate)
             cfg, trainer = runtime.all_ranks_agree(compiling.compile_for_training, model, cfg, world, data,
-                                                   callbacks_lib.for_this_rank(callbacks, world.is_chief))
+                                                   callbacks)
         for note in [*notes, *([] if elastic else data.notes), *trainer.notes]:
             log.info(note)
         _say_if_step_checkpoints_cannot_resume(cfg, data)
@@ -223,8 +223,8 @@ def keras_callbacks(cfg: Config, data: data_lib.Data, world: runtime.World, trai
     cbs = [epoch_end]
     if trainer.callbacks:
         if trainer.learning_rate is not None:
-            before, after = callbacks_lib.following_the_learning_rate(
-                trainer.learning_rate, callbacks_lib.has_batch_hooks(trainer.callbacks))
+            before, after = callbacks_lib.following_the_learning_rate(trainer.learning_rate,
+                                                                      bool(trainer.per_batch))
             cbs += [before, *trainer.callbacks, after]
         else:
             cbs += trainer.callbacks
@@ -239,6 +239,8 @@ def keras_callbacks(cfg: Config, data: data_lib.Data, world: runtime.World, trai
     if world.is_chief and cfg.tensorboard:
         cbs.append(tf.keras.callbacks.TensorBoard(os.path.join(cfg.run_dir, "tensorboard"),
                                                   profile_batch=0))
+    if world.size > 1:
+        cbs.append(callbacks_lib.agree_to_stop())
     if saver is not None:
         cbs.append(saver)
     if progress is not None:
@@ -273,17 +275,17 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
                                     data.steps_per_epoch)
     parts, class_weight = [], cfg.class_weights()
     try:
-        if first_step:  # the rest of a resumed epoch: Keras' epochs all have steps_per_epoch steps
-            parts.append(model.fit(data.stream(first_epoch, first_epoch + 1, skip=first_step),
-                                   epochs=first_epoch + 1, initial_epoch=first_epoch,
-                                   steps_per_epoch=data.steps_per_epoch - first_step,
-                                   class_weight=class_weight, callbacks=callbacks, verbose=0,
+        if first_step:  # the rest of a resumed epoch: Keras' epochs all have one length
+            ds, steps, feeding = data.feed(first_epoch, skip=first_step)
+            parts.append(model.fit(ds, epochs=first_epoch + 1, initial_epoch=first_epoch, steps_per_epoch=steps,
+                                   class_weight=class_weight, callbacks=[*feeding, *callbacks], verbose=0,
                                    shuffle=False))  # the data are shuffled already (Keras 3 warns)
         start = first_epoch + len(parts)
         if start < cfg.epochs and not (parts and model.stop_training):
-            parts.append(model.fit(data.stream(start, cfg.epochs), epochs=cfg.epochs, initial_epoch=start,
-                                   steps_per_epoch=data.steps_per_epoch, class_weight=class_weight,
-                                   callbacks=callbacks, verbose=0, shuffle=False))
+            ds, steps, feeding = data.feed(start)
+            parts.append(model.fit(ds, epochs=cfg.epochs, initial_epoch=start, steps_per_epoch=steps,
+                                   class_weight=class_weight, callbacks=[*feeding, *callbacks], verbose=0,
+                                   shuffle=False))
     except tf.errors.InvalidArgumentError as e:
         step = optimizer.NonFiniteUpdate.step_of(e)
         if step is None:
@@ -341,7 +343,8 @@ def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, trainer: Tr
     _say_how_it_resumes(cfg, ckpts, world, model)
     first_step = replayable_step(cfg, data, first_epoch, first_step)
     timeline.first_epoch, timeline.first_step = first_epoch, first_step
-    dog = watchdog.Watchdog(cfg, world, resume_point=lambda: ckpts.last_saved)
+    dog = watchdog.Watchdog(cfg, world, resume_point=lambda: ckpts.last_saved,
+                            facts={"steps per call": trainer.steps_per_execution})
     iteration = int(model.optimizer.iterations.numpy()) - first_step
     try:
         return fit_on_shard(cfg, model, data, world, ckpts, first_epoch, trainer, first_step=first_step)

@@ -2,7 +2,7 @@
 
 A rank that stops taking part leaves the others waiting inside an allreduce forever, and Horovod names
 it under neither controller: its stall check runs on rank 0's background thread, which waits in the
-same per-cycle exchange as everyone else once a peer's process is frozen (docs/reliability.md). Two
+same per-cycle exchange as everyone else once a peer's process is frozen (docs/reliability.md). Three
 kinds of hang, told apart:
 
 - **frozen**: the process stopped (SIGSTOP, stuck in the kernel on a dead mount or a hung driver): all
@@ -10,7 +10,11 @@ kinds of hang, told apart:
 - **stuck**: the process lives, but its step never reaches the gradients' allreduce (an input pipeline
   or a forward pass blocked on that worker): every rank counts its arrivals at that allreduce, and the
   stuck rank stays one behind the ranks that wait for it (`hang_stuck_seconds`; by default the larger
-  of 3 minutes and 50 median steps, so a long step is never a hang).
+  of 3 minutes and 50 median steps, so a long step is never a hang);
+- **apart**: every rank waits in a collective and none completes (`hang_collective_seconds`, 60 by
+  default): they wait in different ones (one rank at an epoch's end, another in a step), or in steps
+  traced differently (Horovod matches a tensor by its name in the traced step). Each rank says which
+  collective it waits in, and what its step was traced with, so the line says why where it can.
 
 The heartbeats go over a TCP connection of their own from every rank to rank 0 (Horovod's channels
 are the ones blocked), each sent by a thread beside training, so a long first step (tracing, XLA), a
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import socket
@@ -41,27 +46,42 @@ FIRST_STEP_FACTOR = 5  # a rank's first step of a fit may trace and compile (XLA
 # ---------------------------------------------------------------- what a rank reports
 
 class _Arrivals:
-    """How many times this rank's step reached the gradients' allreduce (a variable the step increments)."""
+    """How many times this rank's step reached the gradients' allreduce, and how many times it left it
+    (variables the step increments), and what the allreduce was traced with."""
 
     def __init__(self):
         import tensorflow as tf
 
         with tf.init_scope():
             self.count = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvdtrain_allreduce_arrivals")
+            self.left = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvdtrain_allreduce_left")
+        self.traced: dict = {}  # the last trace's gradients: how many, their names (what Horovod names them by)
 
     def counting(self, allreduce):
         """`allreduce(grads, variables)` (preemption's, a plain function) that first counts this rank's
-        arrival, once its gradients exist."""
+        arrival, once its gradients exist, then its leaving, once the averaged gradients exist."""
         import tensorflow as tf
 
         def reduce(grads, variables):
             grads = list(grads)
-            with tf.control_dependencies([t for t in tf.nest.flatten(grads, expand_composites=True)
-                                          if t is not None]):
+            flat = [t for t in tf.nest.flatten(grads, expand_composites=True) if t is not None]
+            if not tf.executing_eagerly():
+                names = [getattr(t, "name", "") for t in flat]
+                self.traced = {"gradients": len(grads),
+                               "gradient names": hashlib.sha1("|".join(names).encode()).hexdigest()[:12],
+                               "first gradient": names[0] if names else ""}
+            with tf.control_dependencies(flat):
                 self.count.assign_add(1)
-            return allreduce(grads, variables)
+            out = allreduce(grads, variables)
+            with tf.control_dependencies([t for t in tf.nest.flatten(out, expand_composites=True) if t is not None]):
+                self.left.assign_add(1)
+            return out
 
         return reduce
+
+    def inside(self) -> bool:
+        """Is this rank's step waiting in the gradients' allreduce now?"""
+        return int(self.count.numpy()) > int(self.left.numpy())
 
 
 _arrivals = None
@@ -99,22 +119,30 @@ class Peer:
     arrived: int = 0  # its arrivals at the allreduce since this fit began
     busy: str | None = None
     gone: bool = False  # it closed its connection: it ended (or died, which its launcher reports)
+    waiting: str | None = None  # the collective it waits in
+    waited: float = 0.0  # for how long
+    traced: dict = dataclasses.field(default_factory=dict)  # what its step was traced with (Watchdog.facts)
 
     def name(self) -> str:
         return f"rank {self.rank} on {self.host} (pid {self.pid})"
 
 
-def verdict(peers: list, now: float, frozen_s: float, stuck_s: float, moved: float) -> str | None:
+def verdict(peers: list, now: float, frozen_s: float, stuck_s: float, moved: float,
+            collective_s: float = 0) -> str | None:
     """What is hung, in words, or None. `moved`: when any rank last arrived at an allreduce.
 
-    Frozen: no heartbeat for frozen_s. Stuck: the ranks disagree on their arrivals, nobody has arrived
-    for stuck_s and nobody is busy; the ranks behind are named (one still in its first step of this fit,
-    which may be compiling, after FIRST_STEP_FACTOR times as long)."""
+    Frozen: no heartbeat for frozen_s. Apart: every rank has waited in a collective for collective_s,
+    and none has completed: they wait in different ones, or in one traced differently on each rank
+    (Horovod matches tensors by their names in the traced step). Stuck: the ranks disagree on their
+    arrivals, nobody has arrived for stuck_s and nobody is busy; the ranks behind are named (one still
+    in its first step of this fit, which may be compiling, after FIRST_STEP_FACTOR times as long)."""
     live = [p for p in peers if not p.gone]
     frozen = [p for p in live if frozen_s and p.seen is not None and now - p.seen > frozen_s]
     if frozen:
         return (f"{', '.join(p.name() for p in frozen)} has not answered for {now - min(p.seen for p in frozen):.0f} s: "
                 f"its process is stopped or stuck in the kernel")
+    if collective_s and live and all(p.waiting for p in live) and min(p.waited for p in live) >= collective_s:
+        return apart(live)
     counts = [p.arrived for p in live]
     if not stuck_s or not counts or min(counts) == max(counts) or any(p.busy for p in live):
         return None
@@ -125,6 +153,24 @@ def verdict(peers: list, now: float, frozen_s: float, stuck_s: float, moved: flo
     return (f"{', '.join(p.name() for p in behind)} has not reached the gradients' allreduce for "
             f"{now - moved:.0f} s, while rank{'s' if len(ahead) > 1 else ''} {', '.join(map(str, ahead))} "
             f"wait{'' if len(ahead) > 1 else 's'} there for it: its input pipeline or its step is blocked")
+
+
+def apart(live: list) -> str:
+    """The ranks that all wait in collectives that never meet, each one's collective, and why where
+    their steps were traced differently."""
+    waits: dict = {}
+    for p in live:
+        waits.setdefault(p.waiting, []).append(p)
+    where = "; ".join(f"{', '.join(p.name() for p in ps)} in {what}" for what, ps in waits.items())
+    line = (f"the ranks wait in collectives that never meet, for {min(p.waited for p in live):.0f} s: {where}")
+    differ = [k for k in sorted({k for p in live for k in p.traced}) if len({str(p.traced.get(k)) for p in live}) > 1]
+    if differ:
+        facts = "; ".join(f"rank {p.rank}: " + ", ".join(f"{k} {p.traced.get(k)}" for k in differ) for p in live)
+        line += f". Their steps were traced differently ({facts})"
+    elif len(waits) == 1:
+        line += (". They traced the same number of gradients, but Horovod matches a collective by its name in "
+                 "each rank's traced step: something in the step or the model differs between the ranks")
+    return line
 
 
 def stuck_bound(configured: float | None, step_seconds: list) -> float:
@@ -169,11 +215,14 @@ def _addresses() -> list:
 class Watchdog:
     """One fit's watch: rank 0 listens and judges, every other rank sends it heartbeats."""
 
-    def __init__(self, cfg, world: runtime.World, resume_point=lambda: None):
-        self.world, self.resume_point = world, resume_point
+    def __init__(self, cfg, world: runtime.World, resume_point=lambda: None, facts=None):
+        """facts: what this rank's step runs with (its steps per call), told when the ranks wait apart."""
+        self.world, self.resume_point, self.facts = world, resume_point, dict(facts or {})
         self.frozen_s, self.stuck_s = cfg.hang_frozen_seconds, cfg.hang_stuck_seconds
-        self.interval = max(0.2, min(5.0, (self.frozen_s or 30) / 6))
-        self.on = world.size > 1 and (self.frozen_s or self.stuck_s != 0)
+        self.collective_s = cfg.hang_collective_seconds
+        self.interval = max(0.2, min(5.0, (self.frozen_s or 30) / 6, (self.collective_s or 30) / 6))
+        self.on = world.size > 1 and bool(self.frozen_s or self.stuck_s != 0 or self.collective_s)
+        self.inside_since = None  # (arrival, since when) while this rank waits in the gradients' allreduce
         self.stopped = threading.Event()
         self.ending = threading.Event()  # this rank is about to exit: the job is hung
         self.base = int(arrivals().count.numpy())
@@ -205,6 +254,24 @@ class Watchdog:
 
     def arrived(self) -> int:
         return int(arrivals().count.numpy()) - self.base
+
+    def waiting(self) -> tuple:
+        """(the collective this rank waits in, for how many seconds), or (None, 0): one of hvdtrain's
+        own (runtime.collective), or the gradients' allreduce inside the step."""
+        own = runtime.waiting()
+        if own is not None:
+            self.inside_since = None
+            return own
+        if not arrivals().inside():
+            self.inside_since = None
+            return None, 0.0
+        n = self.arrived()
+        if self.inside_since is None or self.inside_since[0] != n:
+            self.inside_since = (n, time.monotonic())
+        return f"the gradients' allreduce of its step {n}", time.monotonic() - self.inside_since[1]
+
+    def traced(self) -> dict:
+        return {**arrivals().traced, **self.facts}
 
     def on_failure(self):
         """This rank's step failed. If the job is hung, the watchdog's line is the one to print: when
@@ -263,6 +330,7 @@ class Watchdog:
                 with self.lock:
                     peer = self.peers[beat["rank"]]
                     peer.seen, peer.arrived, peer.busy = time.monotonic(), beat["arrived"], beat["busy"]
+                    peer.waiting, peer.waited, peer.traced = beat["waiting"], beat["waited"], beat["traced"]
                 io.write(json.dumps({"end": self.verdict}) + "\n")
                 io.flush()
                 if self.verdict:
@@ -285,6 +353,7 @@ class Watchdog:
                 moved = now
             with self.lock:
                 me.seen, me.arrived, me.busy = now, self.arrived(), _busy
+                (me.waiting, me.waited), me.traced = self.waiting(), self.traced()
                 if last is not None and me.arrived > last[1]:
                     steps.append((now - last[0]) / (me.arrived - last[1]))
                     del steps[:-100]
@@ -292,7 +361,8 @@ class Watchdog:
                 if last is None or counts != last[2]:
                     moved = now
                 last = (now, me.arrived, counts)
-                what = verdict(self.peers, now, self.frozen_s, stuck_bound(self.stuck_s, steps), moved)
+                what = verdict(self.peers, now, self.frozen_s, stuck_bound(self.stuck_s, steps), moved,
+                               self.collective_s)
             if what:
                 self._end(what)
 
@@ -340,8 +410,10 @@ class Watchdog:
             buf = b""
             while not self.stopped.is_set():
                 try:
+                    waiting, waited = self.waiting()
                     conn.sendall(json.dumps({"token": self.contact["token"], "rank": self.world.rank,
-                                             "arrived": self.arrived(), "busy": _busy}).encode() + b"\n")
+                                             "arrived": self.arrived(), "busy": _busy, "waiting": waiting,
+                                             "waited": waited, "traced": self.traced()}).encode() + b"\n")
                     answer, buf = self._answer(conn, buf)
                 except OSError:  # rank 0 closed it: this fit ended there (or rank 0 died, which is reported)
                     return

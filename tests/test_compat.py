@@ -212,3 +212,34 @@ def test_a_resume_inside_an_epoch_parses_no_skipped_record(monkeypatch):
     batches = [b.numpy().tolist() for b in rest]
     assert batches[0] == [40, 42, 44, 46] and len(batches) == 20
     assert int(calls.numpy()) == 80
+
+
+def test_keras_callbacks_that_do_nothing_per_batch_as_configured_do_not_act_per_batch():
+    """What decides 1 step per call: a ModelCheckpoint saving per epoch, a TensorBoard writing per
+    epoch without a profile and the callbacks without batch hooks do not act per batch; a per-step
+    save or one's own batch hook does."""
+    cbs = tf.keras.callbacks
+
+    class Own(cbs.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    assert not compat.acts_per_batch(cbs.ModelCheckpoint("best.keras", save_best_only=True))
+    assert compat.acts_per_batch(cbs.ModelCheckpoint("m.keras", save_freq=5))
+    assert not compat.acts_per_batch(cbs.TensorBoard("tb", profile_batch=0))
+    assert not compat.acts_per_batch(cbs.EarlyStopping()) and not compat.acts_per_batch(cbs.CSVLogger("l.csv"))
+    assert compat.acts_per_batch(Own())
+
+
+def test_the_distributed_optimizer_is_saved_as_the_users_class():
+    """A subclass of the user's optimizer class made to serialize as it: Keras writes the user's class
+    name, so a model saved mid-training (ModelCheckpoint) loads without hvdtrain."""
+    for base in (tf.keras.optimizers.Adam, _UsersOwnSGD):
+        cls = type(f"Distributed{base.__name__}", (base,), {"__module__": "hvdtrain.optimizer"})
+        compat.serialize_as(cls, base)
+        config = tf.keras.optimizers.serialize(cls(learning_rate=0.5))
+        assert tf.keras.optimizers.deserialize(config, custom_objects={"_UsersOwnSGD": _UsersOwnSGD}).__class__ is base
+
+
+class _UsersOwnSGD(tf.keras.optimizers.SGD):
+    pass

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import launch, pid_of_rank, processes_of, start
+from conftest import error_lines, launch, pid_of_rank, processes_of, start
 from hvdtrain.watchdog import Peer, stuck_bound, verdict
 
 pytestmark = pytest.mark.alone  # a hang is named within a bound of seconds
@@ -92,6 +92,43 @@ def test_a_worker_blocked_before_its_allreduce_is_named_and_the_job_ends(launche
     assert processes_of(tmp_path, settle=2) == []
 
 
+@pytest.mark.parametrize("launcher", ["mpi", pytest.param("gloo", marks=pytest.mark.stacks)])
+def test_ranks_that_traced_different_steps_are_named_with_why_and_the_job_ends(launcher, tmp_path):
+    """A model whose call branches on the rank: rank 1's gradients have other names, so the two ranks'
+    allreduces never meet. Within --hang-collective-seconds one line names both ranks, the collective
+    each waits in and what differs in their traced steps; every rank exits 75. Horovod's own stall
+    warning (every 60 s, each rank's tensor names) does not come first."""
+    t0 = time.monotonic()
+    proc = start(2, launcher, ["tests/workers/apart_script.py", str(tmp_path), "hang_collective_seconds=12"],
+                 start_new_session=True)
+    output = _finish(proc, timeout=150)
+    took = time.monotonic() - t0
+    lines = [l for l in output.splitlines() if "hvdtrain: the ranks wait in collectives that never meet" in l]
+    assert len(lines) == 1, output[-3000:]
+    line = lines[0]
+    assert re.search(r"rank 0 on \S+ \(pid \d+\), rank 1 on \S+ \(pid \d+\) in the gradients' allreduce of its "
+                     r"step 1\. Their steps were traced differently \(rank 0: first gradient \S+, gradient names "
+                     r"\w+; rank 1: first gradient \S*only_on_rank_1\S*, gradient names \w+\)", line), line
+    assert "Every rank ends now (exit status 75)" in line
+    assert re.search(r"exit(ed)? with status code 75|Exit code:\s+75", output), output[-3000:]
+    assert "Stalled ranks" not in output and "RESULT" not in output
+    assert took < 12 + 60, took
+    assert processes_of(tmp_path, settle=2) == []
+
+
+def test_settings_that_differ_between_ranks_are_refused_before_training_by_name(tmp_path):
+    """Each rank's own steps_per_execution (decided on the rank's view, as a branch on the rank in a
+    script would): one error, naming the setting and each rank's value, before any step."""
+    proc = launch(2, "gloo", ["tests/workers/apart_script.py", str(tmp_path)],
+                  env={"RANK_SETTINGS": "1"}, timeout=120)
+    assert proc.returncode != 0
+    ours = error_lines(proc.stdout)
+    assert len(ours) == 1, proc.stdout[-3000:]
+    assert "the ranks decided differently, and would wait forever in collectives that never meet: " \
+           "steps per call: rank 0: 1; rank 1: 7 | --steps-per-execution: rank 0: 1; rank 1: 7. Give every rank " \
+           "the same settings, callbacks and data" in ours[0], ours[0]
+
+
 def test_a_long_first_step_on_one_rank_is_not_a_hang(tmp_path):
     """Rank 0's first step takes 8 s (a long trace or XLA compile) while rank 1 waits in the allreduce,
     with both bounds at 3 s: the job trains to the end."""
@@ -154,3 +191,30 @@ def test_the_default_stuck_bound_is_three_minutes_or_fifty_median_steps_whicheve
     assert stuck_bound(None, [0.01, 0.02, 5.0]) == 180.0
     assert stuck_bound(None, [6.0, 7.0, 8.0]) == 350.0
     assert stuck_bound(12.0, [6.0]) == 12.0 and stuck_bound(0.0, [6.0]) == 0.0
+
+
+def test_ranks_all_waiting_in_collectives_are_named_once_the_last_has_waited_the_bound():
+    peers = _peers(3, 3)
+    peers[0].waiting, peers[0].waited = "the epoch's end (hvdtrain.epoch_end, the metrics' allreduce)", 70.0
+    peers[1].waiting, peers[1].waited = "the gradients' allreduce of its step 3", 61.0
+    assert verdict(peers, now=100, frozen_s=45, stuck_s=0, moved=0, collective_s=60) == (
+        "the ranks wait in collectives that never meet, for 61 s: rank 0 on node1 (pid 1000) in the epoch's end "
+        "(hvdtrain.epoch_end, the metrics' allreduce); rank 1 on node1 (pid 1001) in the gradients' allreduce of its "
+        "step 3")
+    peers[1].waited = 59.0  # not yet: the last to arrive may still be met
+    assert verdict(peers, now=100, frozen_s=45, stuck_s=0, moved=0, collective_s=60) is None
+    peers[1].waiting = None  # one rank computes: not apart (the stuck bound's case)
+    assert verdict(peers, now=100, frozen_s=45, stuck_s=0, moved=0, collective_s=60) is None
+
+
+def test_ranks_waiting_in_one_collective_traced_alike_are_told_the_names_differ():
+    peers = _peers(1, 1)
+    for p in peers:
+        p.waiting, p.waited, p.traced = "the gradients' allreduce of its step 1", 90.0, {"steps per call": 10}
+    line = verdict(peers, now=100, frozen_s=45, stuck_s=0, moved=0, collective_s=60)
+    assert line.endswith("Horovod matches a collective by its name in each rank's traced step: something in the "
+                         "step or the model differs between the ranks"), line
+    peers[1].traced = {"steps per call": 7}
+    assert verdict(peers, now=100, frozen_s=45, stuck_s=0, moved=0, collective_s=60).endswith(
+        "Their steps were traced differently (rank 0: steps per call 10; rank 1: steps per call 7)")
+    assert verdict(peers, now=100, frozen_s=45, stuck_s=0, moved=0, collective_s=0) is None  # 0: off

@@ -50,12 +50,13 @@ def _elastic(out, argv):
             f"{PYTHON} -m hvdtrain hosts --discover --hostfile {hostfile}", PYTHON, *argv, "--elastic"]
 
 
-def _run(launcher, out, data, env, kill_at=None, counts="counts", extra=()):
+def _run(launcher, out, data, env, kill_at=None, counts="counts", extra=(), flags=None):
     counts = out / counts
     counts.mkdir(parents=True, exist_ok=True)
     env = {**env, "COUNT_DIR": str(counts), "HOROVOD_GLOO_TIMEOUT_SECONDS": "10",
            **({"KILL_AT": str(kill_at), "KILL_RANK": "1"} if kill_at else {})}
-    argv = ["-m", "hvdtrain", "--output-dir", str(out), "--verbose", "0", "--no-tensorboard", *_flags(data), *extra]
+    argv = ["-m", "hvdtrain", "--output-dir", str(out), "--verbose", "0", "--no-tensorboard",
+            *(flags or _flags(data)), *extra]
     cmd = _elastic(out, argv) if launcher == "elastic" else command(WORKERS, launcher, argv)
     return run(cmd, env=env)
 
@@ -71,15 +72,17 @@ def _trained(counts, upto=None):
     return steps
 
 
-def _saves(per_call=1):
-    """The steps after which checkpoints are written: every epoch's end, and EVERY steps after the last,
-    however many steps a call of the compiled step runs (Keras 2: the call before a save is cut short);
-    under Keras 3, whose calls all run per_call steps, at the end of the call that reaches it."""
-    saves, due = [], EVERY
-    for step in range(1, EPOCHS * STEPS + 1):
-        if step % STEPS == 0 or step >= due and step % per_call == 0:
+def _saves(per_call=1, steps=STEPS, every=EVERY, epochs=EPOCHS):
+    """The steps after which checkpoints are written: every epoch's end, and `every` steps after the
+    last, however many steps a call of the compiled step runs (Keras 2: the call before a save is cut
+    short); under Keras 3, whose calls run per_call steps from each epoch's start (the last one of an
+    epoch shorter), at the end of the call that reaches it."""
+    saves, due = [], every
+    for step in range(1, epochs * steps + 1):
+        inside = (step - 1) % steps + 1
+        if inside == steps or step >= due and inside % per_call == 0:
             saves.append(step)
-            due = step + EVERY
+            due = step + every
     return saves
 
 
@@ -133,26 +136,43 @@ def test_worker_killed_inside_an_epoch_resumes_at_the_next_step_and_ends_bit_ide
     assert counted == straight[source][1], "the same samples at the same steps as the uninterrupted run"
 
 
-def test_several_steps_per_call_still_save_at_the_steps_asked_for_and_resume_bit_identical(sources, straight, tmp_path):
-    """--steps-per-execution 7: Keras calls back only between calls of 7 steps, and 7 divides neither
-    EVERY nor the epoch, so the call before each save is cut short to end on it (Keras 3: 6 steps per
-    call, which divide the epoch, and saves at the end of the call that reaches them); a worker killed
-    inside a call resumes after the last save and ends with the weights of the uninterrupted run."""
-    data, env = sources["tfrecord"]
-    kill_at = random.Random(10).randint(STEPS + 2, 2 * STEPS - 1)
-    spe = ("--steps-per-execution", "7")
-    killed = _run("mpirun", tmp_path, data, env, kill_at=kill_at, counts="killed", extra=spe)
+def test_an_epoch_of_187_steps_runs_10_steps_per_call_and_resumes_bit_identical_inside_its_shorter_last_call(tmp_path):
+    """187 steps an epoch (11 x 17: no count from 2 to 10 divides it) at the default 10 steps per call:
+    18 calls of 10 and a last one of 7, on both Keras generations. A worker killed inside epoch 1's last,
+    shorter call (step 185) resumes from the save at step 150, runs the epoch's rest (3 calls of 10 and
+    one of 7) and ends with the uninterrupted run's weights, bit for bit, each sample trained on once
+    per epoch."""
+    steps, every, epochs = 187, 50, 2
+    n = steps * BATCH * WORKERS
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, 9)).astype(np.float32)
+    x[:, 0] = np.arange(n) / 1024
+    np.savez(tmp_path / "ids.npz", x=x, y=(x[:, 1] > 0).astype(np.int64))
+    flags = list(_flags(f"npz:{tmp_path / 'ids.npz'}"))
+    flags[flags.index("--epochs") + 1], flags[flags.index("--checkpoint-every-steps") + 1] = str(epochs), str(every)
+
+    def job(out, counts, kill_at=None):
+        return _run("gloo", out, None, {}, kill_at=kill_at, counts=counts, flags=flags)
+
+    assert job(tmp_path / "straight", "counts").returncode == 0
+    straight = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    assert "10 step(s) per call" in (tmp_path / "straight" / "logs" / "rank0.log").read_text()
+    killed = job(tmp_path / "two", "killed", kill_at=185)
     assert killed.returncode != 0, "the worker should have been killed"
-    resumed = _run("mpirun", tmp_path, data, env, counts="resumed", extra=spe)
+    resumed = job(tmp_path / "two", "resumed")
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    start = summary["first_epoch"] * STEPS + summary["first_step"]
-    assert start == max(s for s in _saves(6 if KERAS3 else 1) if s < kill_at)
-    assert ("6 steps per call, not 7" if KERAS3 else "7 steps per call") in (tmp_path / "logs" / "rank0.log").read_text()
-    assert summary["weights_sha256_by_rank"] == straight["tfrecord"][0]["weights_sha256_by_rank"]
-    counted = _trained(tmp_path / "killed", upto=start)
-    counted.update(_trained(tmp_path / "resumed"))
-    assert counted == straight["tfrecord"][1], "the same samples at the same steps as the uninterrupted run"
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    per_call = 10 if KERAS3 else 1
+    assert (summary["first_epoch"], summary["first_step"]) == (0, 150) == \
+        (0, max(s for s in _saves(per_call, steps, every, epochs) if s < 185))
+    assert summary["weights_sha256_by_rank"] == straight["weights_sha256_by_rank"]
+    counted = _trained(tmp_path / "two" / "killed", upto=150)
+    counted.update(_trained(tmp_path / "two" / "resumed"))
+    whole = _trained(tmp_path / "straight" / "counts")
+    assert counted == whole and len(whole) == epochs * steps, "the same samples at the same steps, uninterrupted"
+    for epoch in range(epochs):
+        ids = [i for s in range(epoch * steps + 1, (epoch + 1) * steps + 1) for i in whole[s]]
+        assert sorted(ids) == list(range(n))
 
 
 def test_a_resume_that_cannot_be_replayed_says_why_and_what_to_change(tmp_path):

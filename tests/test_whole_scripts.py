@@ -131,6 +131,30 @@ def test_callbacks_from_the_command_line_decide_alike_on_every_rank(out):
     assert summary["epochs_run"] == 2 and len(set(summary["weights_sha256_by_rank"])) == 1
 
 
+def test_the_keras_io_script_with_rank_0_only_callbacks_trains_as_in_plain_keras(tmp_path):
+    """keras.io's script as users write it: ModelCheckpoint and CSVLogger (rank 0 alone runs them; the
+    checkpoint has batch hooks, for save_freq) and no per-batch callback of the user's on the other rank.
+    Every rank decides the steps per call from all of the callbacks alike: the job trains, stops at
+    plain Keras' epoch with its learning-rate reductions, rank 0 writes one best.keras (plain Keras
+    loads it) and one log.csv, and both ranks end with the same weights."""
+    plain = run_worker_script(1, None, "keras_io_script.py", "plain", tmp_path / "plain")
+    ours = run_worker_script(2, "gloo", "keras_io_script.py", "hvdtrain", tmp_path / "ours", timeout=150)
+    assert ours["epochs"] == plain["epochs"] < 60  # EarlyStopping stopped both at the same epoch
+    assert ours["rates"] == pytest.approx(plain["rates"]) and min(plain["rates"]) < plain["rates"][0]
+    assert ours["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-4)
+    assert max_diff(str(tmp_path / "ours" / "weights-0.npz"), str(tmp_path / "ours" / "weights-1.npz")) == 0
+    assert max_diff(str(tmp_path / "ours" / "weights-0.npz"), str(tmp_path / "plain" / "weights-0.npz")) < 1e-4
+    assert sorted(p.name for p in (tmp_path / "ours").rglob("best.keras")) == ["best.keras"]
+    rows = (tmp_path / "ours" / "log.csv").read_text().splitlines()
+    assert len(rows) == 1 + ours["epochs"] and len(list((tmp_path / "ours").rglob("log.csv"))) == 1
+    if KERAS3:
+        import keras
+    else:
+        from tensorflow import keras
+    best = keras.models.load_model(tmp_path / "ours" / "best.keras")
+    assert type(best.optimizer).__name__ == "Adam"
+
+
 # ---------------------------------------------------------------- a keras.utils.Sequence
 
 def test_a_sequence_gives_each_worker_its_own_batches_and_ends_its_epochs_as_in_plain_keras(tmp_path):

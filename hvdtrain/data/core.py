@@ -26,17 +26,39 @@ class Data:
     notes: list = field(default_factory=list)  # lines rank 0 logs once
     unrepeatable: Optional[str] = None  # why an epoch's order cannot be reproduced (None: it can)
 
-    def stream(self, first_epoch: int, epochs: int, skip: int = 0):
-        """Epochs first_epoch..epochs-1 back to back, for model.fit(steps_per_epoch=...); the first one
-        without its first `skip` steps (a run resumed inside an epoch)."""
+    def feed(self, first_epoch: int, skip: int = 0) -> tuple:
+        """What model.fit reads from epoch first_epoch + 1 on: (dataset, its steps_per_epoch, the
+        callbacks it needs).
+
+        One epoch per iteration of the dataset: fit() given no steps_per_epoch makes a new iterator at
+        every epoch's start, and its last call of an epoch ends where the data end, a shorter call of
+        the same traced step (Keras 3's loop stops at the data's end; Keras 2 cuts the call short). So
+        any steps per call suits any epoch's length, and every rank's calls end alike. The epoch an
+        iteration reads is a variable that a callback sets at each epoch's start. skip: the first
+        epoch without its first `skip` steps (a resume inside it), for a fit() of that epoch alone.
+        One stream across epochs (an infinite pipeline) is read as it goes, steps_per_epoch a time."""
         import tensorflow as tf
 
         if self.epoch is None:  # Keras keeps one iterator across epochs when steps are given
-            return self.continuous.prefetch(tf.data.AUTOTUNE)
-        ds = tf.data.Dataset.range(first_epoch + (1 if skip else 0), epochs).flat_map(self.epoch)
+            return self.continuous.prefetch(tf.data.AUTOTUNE), self.steps_per_epoch, []
         if skip:
-            ds = self.epoch(first_epoch, skip).concatenate(ds)
-        return ds.prefetch(tf.data.AUTOTUNE)
+            return self._counted(self.epoch(first_epoch, skip), self.steps_per_epoch - skip), None, []
+        with tf.init_scope():
+            current = tf.Variable(first_epoch, dtype=tf.int64, trainable=False, name="hvdtrain_epoch")
+
+        class Epoch(tf.keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                current.assign(epoch)
+
+        each = tf.data.Dataset.from_tensors(0).flat_map(lambda _: self.epoch(current.read_value()))
+        return self._counted(each, self.steps_per_epoch), None, [Epoch()]
+
+    @staticmethod
+    def _counted(ds, steps: int):
+        """ds, whose length Keras reads (its epoch's calls) and tf.data checks."""
+        import tensorflow as tf
+
+        return ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(tf.data.AUTOTUNE)
 
     @property
     def input_shape(self):

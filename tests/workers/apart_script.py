@@ -1,0 +1,45 @@
+"""A test-only model whose call branches on the rank, so that the ranks trace different steps:
+rank 1 runs its layers under a name scope of its own, which renames every gradient Horovod is
+given, and the two ranks' allreduces never meet. Run under a launcher:
+
+    apart_script.py OUT [FLAGS...]      hvdtrain.init()/fit(), FLAGS as hvdtrain.fit keys (k=v)
+
+RANK_SETTINGS=1 instead gives each rank its own steps_per_execution (a setting decided on one
+rank's view), which hvdtrain refuses before training.
+"""
+import os
+import sys
+
+import hvdtrain
+
+out, flags = sys.argv[1], dict(a.split("=", 1) for a in sys.argv[2:])
+world = hvdtrain.init()
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+keras = tf.keras
+
+
+class Branching(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.head = keras.layers.Dense(10)
+
+    def call(self, x):
+        if world.rank == 1:  # a branch on the rank: this rank's ops, and its gradients, have other names
+            with tf.name_scope("only_on_rank_1"):
+                return self.head(self.hidden(x))
+        return self.head(self.hidden(x))
+
+
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((512, 8)).astype("float32"), rng.integers(0, 10, 512)
+model = Branching()
+model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+config = {k: float(v) for k, v in flags.items()}
+if os.environ.get("RANK_SETTINGS"):
+    config["steps_per_execution"] = 1 if world.rank == 0 else 7
+hvdtrain.fit(model, (x, y), epochs=2, batch_size=16, output_dir=out, verbose=0, tensorboard=False, **config)
+print("RESULT trained", flush=True)

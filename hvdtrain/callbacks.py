@@ -167,17 +167,26 @@ def _progress_class(cfg, data, world_size: int):
                 self.thread.start()
 
         def _report(self):
+            last = (0, self.t0)  # the steps done, and when a step last finished
             while not self.stop.wait(self.every):
+                now = time.perf_counter()
                 done = int(self.model.optimizer.iterations.numpy()) - self.step0
-                if done <= 0:
+                if done != last[0]:
+                    last = (done, now)
+                quiet = now - last[1]
+                if quiet < self.every and done > 0:  # steps finished since the last line
+                    seconds = now - self.t0
+                    rate = done * data.batch_size * world_size / seconds
+                    left = (data.steps_per_epoch - done) * seconds / done
+                    how = f"{rate:,.0f} samples/s | epoch ETA {_clock(left)}"
+                elif quiet >= max(self.every, 10):  # none: no rate to estimate from, say so
+                    how = f"no step finished for {quiet:.0f} s"
+                else:
                     continue
-                seconds = time.perf_counter() - self.t0
-                rate = done * data.batch_size * world_size / seconds
-                left = (data.steps_per_epoch - done) * seconds / done
-                metrics = self.model.get_metrics_result()  # Keras 3 nests the compiled metrics
+                metrics = self.model.get_metrics_result() if done > 0 else {}  # Keras 3 nests the compiled
                 line = (f"epoch {self.epoch + 1}/{cfg.epochs} step {min(done, data.steps_per_epoch)}/"
                         f"{data.steps_per_epoch} {_bar(done, data.steps_per_epoch) if self.tty else ''}"
-                        f"{_fmt(metrics)} | {rate:,.0f} samples/s | epoch ETA {_clock(left)}")
+                        f"{_fmt(metrics)} | {how}")
                 if self.tty:
                     print("\r" + line[:160].ljust(120), end="", flush=True)
                 else:

@@ -54,12 +54,13 @@ def compile_for_training(model, cfg: Config, world: runtime.World, data, callbac
     model.autotune_steps_per_execution = False  # Keras' compile leaves a user's "auto" tuner on
     model.steps_per_execution = plan.steps_per_execution  # the compile config keeps the user's own
     learning_rate = optimizer.LearningRate(cfg, info["lr"]) if info["lr"] is not None else None
-    optimizer.TrainStep(model, cfg, world, learning_rate).install()
+    _refuse_data_without_targets(model, data.element_spec)
+    _build_model(model, data.element_spec)
+    optimizer.TrainStep(model, cfg, world, learning_rate,
+                        _sparse_classes(model, plan.kwargs["loss"], data.element_spec)).install()
     log.info("%s: loss %s; %s from %s, lr %s for one worker; %d step(s) per call", model.name, plan.loss,
              info["class"], info["source"], "a schedule" if info["lr"] is None else f"{info['lr']:g}",
              plan.steps_per_execution)
-    _refuse_data_without_targets(model, data.element_spec)
-    _build_model(model, data.element_spec)
     _build_loss_and_metrics(model, data.element_spec)
     runtime.same_on_every_rank(_decisions(model, cfg, data, plan, per_batch), f"{model.name}'s training step")
     return cfg, Trainer(learning_rate, info, plan.loss, plan.steps_per_execution, plan.notes + notes,
@@ -142,6 +143,23 @@ def _build_model(model, element_spec):
         raise UserError(f"{model.name} has no weights yet and could not be called on a batch shaped as the "
                         f"data ({type(e).__name__}: {str(e)[:200]}); build it before hvdtrain.fit: "
                         f"model.build(input_shape), or call it on a batch") from None
+
+
+def _sparse_classes(model, loss, element_spec) -> int | None:
+    """The classes a sparse categorical crossentropy takes labels of (the width of the model's one
+    output), or None for any other loss: TrainStep checks the labels against it, so that a label out
+    of range is reported as plain Keras reports it, whichever op of the step meets it first."""
+    import tensorflow as tf
+
+    names = ("sparse_categorical_crossentropy", "SparseCategoricalCrossentropy")
+    sparse = loss in names if isinstance(loss, str) else \
+        isinstance(loss, tf.keras.losses.SparseCategoricalCrossentropy) or \
+        getattr(loss, "__name__", None) == "sparse_categorical_crossentropy"
+    y = tf.keras.utils.unpack_x_y_sample_weight(element_spec)[1]
+    if not sparse or not isinstance(y, tf.TensorSpec):
+        return None
+    out = model(_zeros_like(element_spec)[0], training=False)
+    return int(out.shape[-1]) if tf.is_tensor(out) and out.shape.rank and out.shape[-1] else None
 
 
 def _build_loss_and_metrics(model, element_spec):

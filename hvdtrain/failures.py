@@ -62,9 +62,17 @@ def log_file() -> str | None:
     return None
 
 
+LABEL_OUT_OF_RANGE = re.compile(r"a label is outside the classes of the model; label, classes:\]? \[?(-?\d+)\]? \[?(\d+)")
+
+
 def explain(e: Exception) -> str:
     """The op and the message that explain a failed step, from TensorFlow's long error text."""
     text, kind = str(e), type(e).__name__
+    label = LABEL_OUT_OF_RANGE.search(text)  # optimizer.TrainStep's check, in Keras' words
+    if label:
+        value, classes = label.groups()
+        return (f"{kind}: Received a label value of {value} which is outside the valid range of [0, {classes}): "
+                f"the model's output has {classes} classes, and the labels must be below it")
     # several steps per call: Keras' loop over steps hides the step's own error behind AutoGraph's
     # "'outputs' must be defined before the loop", and names it in a note
     hidden = re.search(r"AutoGraph tried to define it automatically, but ran into an? (\w+): ", text)

@@ -377,6 +377,16 @@ class LearningRate:
 
 
 NONFINITE = "hvdtrain: the weights are not finite after the update of step"
+LABEL_OUT_OF_RANGE = "hvdtrain: a label is outside the classes of the model; label, classes:"
+AT_STEP = "before the update of step"
+
+
+def failed_step(error) -> int | None:
+    """The optimizer step a failed train step names (TrainStep's assertions name it), or None."""
+    import re
+
+    found = re.search(r"(?:update of step|" + re.escape(AT_STEP) + r")\D*(\d+)", str(error))
+    return int(found.group(1)) if found else None
 
 
 class NonFiniteUpdate(Exception):
@@ -416,11 +426,11 @@ class TrainStep:
     It keeps the model's own step, so a later fit() puts a new TrainStep around that same step.
     """
 
-    def __init__(self, model, cfg: Config, world: runtime.World, learning_rate):
+    def __init__(self, model, cfg: Config, world: runtime.World, learning_rate, classes: int | None = None):
         if cfg.reduction == "adasum":
             check_adasum(model, cfg, world)
         own = model.train_step
-        self.model, self.learning_rate, self.cfg = model, learning_rate, cfg
+        self.model, self.learning_rate, self.cfg, self.classes = model, learning_rate, cfg, classes
         self.own = own.own if isinstance(own, TrainStep) else own
         self.step = self._adasum if cfg.reduction == "adasum" and not compat.keras3() else self.own
 
@@ -434,10 +444,28 @@ class TrainStep:
         step = tf.identity(optimizer.iterations)  # before this step's update increments it
         if self.learning_rate is not None:
             optimizer.learning_rate.assign(tf.cast(self.learning_rate(step), optimizer.learning_rate.dtype))
+        if self.classes:
+            data = self._labels_checked(data)
         logs = self.step(data)
         total = tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32)) for w in self.model.trainable_variables])
         tf.debugging.Assert(tf.math.is_finite(total), [NONFINITE, step])
         return logs
+
+    def _labels_checked(self, data):
+        """The step's data, its labels asserted within the sparse loss's classes before any op reads them:
+        a label out of range fails there, as in plain Keras, and not in whichever op of the step (a
+        gradient's segment sum, say) happened to meet it first."""
+        import tensorflow as tf
+
+        x, y, w = tf.keras.utils.unpack_x_y_sample_weight(data)
+        labels = tf.reshape(tf.cast(y, tf.int64), [-1])
+        bad = tf.logical_or(labels < 0, labels >= self.classes)
+        first = tf.gather(labels, tf.argmax(tf.cast(bad, tf.int32)))
+        check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [LABEL_OUT_OF_RANGE, first, self.classes,
+                                                                        AT_STEP, self.model.optimizer.iterations])
+        with tf.control_dependencies([check]):
+            y = tf.identity(y)
+        return tf.keras.utils.pack_x_y_sample_weight(x, y, w)
 
     def _adasum(self, data):
         """Keras 2's own train_step, its gradients through Horovod's DistributedGradientTape."""

@@ -352,7 +352,8 @@ def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, trainer: Tr
         raise
     except Exception as e:
         dog.on_failure()  # a hung peer's silence explains it: the watchdog names it
-        done = int(model.optimizer.iterations.numpy()) - iteration
+        failed = optimizer.failed_step(e)  # the step a check of TrainStep names, else Keras' count
+        done = (failed if failed is not None else int(model.optimizer.iterations.numpy())) - iteration
         after = getattr(e, "hvdtrain_validating_after_epoch", None)  # set by callbacks.EpochEnd
         what, where = ("validation", f"after epoch {after}") if after else (
             "the training step",

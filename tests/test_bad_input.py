@@ -51,6 +51,10 @@ CASES = {
         "--model user_models:regression_with_classes takes num_classes, which hvdtrain counts in the labels, but "
         "y is float32 (regression targets?): drop num_classes from the function's parameters, or give it with "
         "--num-classes N"),
+    # plain Keras' words, at the step it fails, whichever op of the step met the label first (a gradient's
+    # segment sum did, in some runs: "segment_ids[29] = 96 is out of range [0, 96)")
+    "labels beyond the model's classes": (["--model", "user_models:three_class_head", "--data", "digits"],
+                                          "at epoch 1, step 1: InvalidArgumentError: Received a label value of "),
     # it is evaluate that fails, after the first epoch trained: not "epoch 2, step 1"
     "validation data of another shape": (["--model", "user_models:regression", "--data",
                                           "user_data:diabetes_val_of_8_features"],
@@ -75,7 +79,7 @@ def yaml_files(tmp_path):
 
 # Keras' own messages, which differ between the generations: run on both stacks
 KERAS_SAYS = ("a compiled loss and data without targets", "raw text into a numeric model",
-              "validation data of another shape")
+              "validation data of another shape", "labels beyond the model's classes")
 
 
 @pytest.mark.parametrize("np_,launcher", [(1, None), (2, "gloo")], ids=["1-worker", "2-workers"])
@@ -91,6 +95,9 @@ def test_bad_input_fails_fast_with_one_clear_line(case, np_, launcher, yaml_file
     ours = error_lines(proc.stdout)
     assert len(ours) == 1, proc.stdout[-3000:]  # rank 0 alone says it
     assert message in ours[0], ours[0]
+    if case == "labels beyond the model's classes":
+        assert re.search(r"Received a label value of [3-9] which is outside the valid range of \[0, 3\): the "
+                         r"model's output has 3 classes", ours[0]), ours[0]
     if launcher is None:
         assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
     assert not worker_tracebacks(proc.stdout), proc.stdout[-3000:]

@@ -97,10 +97,11 @@ def test_ranks_that_traced_different_steps_are_named_with_why_and_the_job_ends(l
     """A model whose call branches on the rank: rank 1's gradients have other names, so the two ranks'
     allreduces never meet. Within --hang-collective-seconds one line names both ranks, the collective
     each waits in and what differs in their traced steps; every rank exits 75. Horovod's own stall
-    warning (every 60 s, each rank's tensor names) does not come first."""
+    warning (every 60 s, each rank's tensor names) does not come first, and rank 0's progress says that
+    no step finishes."""
     t0 = time.monotonic()
-    proc = start(2, launcher, ["tests/workers/apart_script.py", str(tmp_path), "hang_collective_seconds=12"],
-                 start_new_session=True)
+    proc = start(2, launcher, ["tests/workers/apart_script.py", str(tmp_path), "hang_collective_seconds=12",
+                               "verbose=1", "log_every=2"], start_new_session=True)
     output = _finish(proc, timeout=150)
     took = time.monotonic() - t0
     lines = [l for l in output.splitlines() if "hvdtrain: the ranks wait in collectives that never meet" in l]
@@ -113,6 +114,10 @@ def test_ranks_that_traced_different_steps_are_named_with_why_and_the_job_ends(l
     assert re.search(r"exit(ed)? with status code 75|Exit code:\s+75", output), output[-3000:]
     assert "Stalled ranks" not in output and "RESULT" not in output
     assert took < 12 + 60, took
+    # rank 0's progress meanwhile says that no step finishes, not an estimate from a rate of zero
+    quiet = re.findall(r"hvdtrain: epoch 1/2 step [01]/16 .*\| no step finished for (\d+) s", output)
+    assert quiet and int(quiet[-1]) >= 10, output[-3000:]
+    assert not re.search(r"no step finished .*\n(.*\n)*.*epoch ETA", output), output[-3000:]
     assert processes_of(tmp_path, settle=2) == []
 
 

@@ -38,8 +38,8 @@ rng = np.random.default_rng(0)
 x, y = rng.standard_normal((512, 8)).astype("float32"), rng.integers(0, 10, 512)
 model = Branching()
 model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-config = {k: float(v) for k, v in flags.items()}
+config = {k: int(v) if v.isdigit() else float(v) for k, v in flags.items()}
 if os.environ.get("RANK_SETTINGS"):
     config["steps_per_execution"] = 1 if world.rank == 0 else 7
-hvdtrain.fit(model, (x, y), epochs=2, batch_size=16, output_dir=out, verbose=0, tensorboard=False, **config)
+hvdtrain.fit(model, (x, y), epochs=2, batch_size=16, output_dir=out, tensorboard=False, **{"verbose": 0, **config})
 print("RESULT trained", flush=True)

@@ -108,8 +108,8 @@ def _epoch_end_class(data):
             if data.val is not None:
                 try:
                     logs.update({f"val_{k}": v for k, v in self._validate().items()})
-                except Exception as e:  # train.fit_fixed says it was validation, not a training step
-                    e.hvdtrain_validating_after_epoch = epoch + 1
+                except Exception as e:  # noqa: BLE001 (re-raised, marked: train.fit_fixed says it was validation)
+                    e.hvdtrain_validating_after_epoch = epoch + 1  # type: ignore[attr-defined]  # read by train.py
                     raise
             logs["lr"] = float(self.model.optimizer.learning_rate.numpy())
 
@@ -419,7 +419,7 @@ def following_the_learning_rate(learning_rate, batch_hooks: bool) -> tuple:
         return float(model.optimizer.learning_rate.numpy())
 
     class Before(tf.keras.callbacks.Callback):
-        seen = None
+        seen = 0.0  # the rate the user's callbacks were shown last
 
         def on_train_begin(self, logs=None):
             lr = self.model.optimizer.learning_rate  # what the first step will train at

@@ -37,11 +37,11 @@ class Checkpoints:
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")  # steps into the next
         self.ckpt = tf.train.Checkpoint(model=compat.checkpointed(model), optimizer=model.optimizer,
                                         epoch=self.epoch, step=self.step)
-        self.ckpt.save_counter  # created now, so that ckpt.write stores it as CheckpointManager did
-        self.resumed_from = None  # the meta of the checkpoint this run resumed from
+        self.ckpt.save_counter  # noqa: B018 (reading it creates it, so that ckpt.write stores it as CheckpointManager did)
+        self.resumed_from: dict | None = None  # the meta of the checkpoint this run resumed from
         self.ranks = None  # on resume: every rank's own state, as saved (see gather_per_rank_state)
-        self.save_seconds = []  # what each save cost this rank (bench's checkpoint section reads rank 0's)
-        self.last_saved = None  # (epoch, step) of the last save
+        self.save_seconds: list[float] = []  # what each save cost this rank (the bench reads rank 0's)
+        self.last_saved: tuple[int, int] | None = None  # (epoch, step) of the last save
 
     def find(self) -> str | None:
         """The checkpoint to resume from: --resume, else the latest in the run's checkpoint dir."""
@@ -97,11 +97,11 @@ class Checkpoints:
             try:
                 self.ranks = tf.train.load_variable(path, RANKS)
                 self.ckpt.ranks = tf.Variable(np.zeros_like(self.ranks), trainable=False, name="ranks")
-            except Exception:  # unreadable: restoring it says why
+            except (tf.errors.OpError, ValueError):  # not in it, or unreadable: restoring it says why
                 self.ranks = None
             try:
                 self.ckpt.restore(path).assert_consumed()
-            except Exception as e:  # OpError, IndexError, ValueError: all mean "not this checkpoint"
+            except (tf.errors.OpError, IndexError, ValueError, AssertionError) as e:  # "not this checkpoint"
                 raise UserError(self._explain(path, e)) from None
             step = int(self.step.numpy())
             log.info("resumed from %s at epoch %d%s", path, int(self.epoch.numpy()),
@@ -115,7 +115,7 @@ class Checkpoints:
         first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
         try:
             theirs = dict(tf.train.list_variables(path))
-        except Exception:  # unreadable: a corrupt file
+        except (tf.errors.OpError, ValueError):  # unreadable: a corrupt file
             return f"cannot restore checkpoint {path}: {first}"
         with tempfile.TemporaryDirectory() as tmp:  # this model's variables, under the same names
             mine = tf.train.Checkpoint(model=compat.checkpointed(self.model)).write(f"{tmp}/c")
@@ -244,7 +244,7 @@ def epoch_of(path: str) -> int:
 
     try:
         return int(tf.train.load_variable(path, "epoch/.ATTRIBUTES/VARIABLE_VALUE"))
-    except Exception:  # unreadable: restoring it will say why
+    except (tf.errors.OpError, ValueError):  # unreadable: restoring it will say why
         return 0
 
 

@@ -313,7 +313,7 @@ def build_parser(prog="hvdtrain") -> argparse.ArgumentParser:
             kw["nargs"], kw["type"] = "*" if items[-1] is Ellipsis else len(items), items[0]
         else:
             kw["type"] = hint
-        p.add_argument(f"--{_flag(f.name)}", dest=f.name, **kw)
+        p.add_argument(f"--{_flag(f.name)}", dest=f.name, **kw)  # type: ignore[arg-type]  # kw: each kind's own keys
     return p
 
 
@@ -393,11 +393,13 @@ def _class_weight(hint, value) -> tuple:
         raise ValueError
     weights = {}
     for k, v in pairs:
+        c: Optional[int]
+        w: Optional[float]
         try:
             c, w = int(k), float(v)
         except (TypeError, ValueError):
             c, w = None, None
-        if c is None or isinstance(k, (bool, float)) or c < 0 or not w >= 0 or c in weights:
+        if c is None or w is None or isinstance(k, (bool, float)) or c < 0 or not w >= 0 or c in weights:
             raise UserError(f"--class-weight takes CLASS=WEIGHT pairs, one per class (a class index >= 0, a "
                             f"weight >= 0), e.g. --class-weight 0=1 1=5; got {k if v is None else f'{k}={v}'!r}")
         weights[c] = w
@@ -454,7 +456,7 @@ def flags_markdown() -> str:
         return re.sub(r"(\S*<[^>\s]+>\S*)", r"`\1`", text).replace("|", "\\|")
 
     fields = {f.name: f for f in dataclasses.fields(Config)}
-    kinds = {int: "N", float: "X", str: "TEXT"}
+    kinds: Dict[object, str] = {int: "N", float: "X", str: "TEXT"}
     rows = ["| flag | default | what it does |", "| --- | --- | --- |"]
     for action in build_parser()._actions:
         if action.dest not in fields:
@@ -464,7 +466,7 @@ def flags_markdown() -> str:
             flag = ", ".join(f"`{s}`" for s in action.option_strings)
         else:
             kind = "K=V" if action.dest in SPECIAL else kinds.get(action.type, "VALUE")
-            args = f"{kind} ..." if action.nargs == "*" else " ".join([kind] * (action.nargs or 1))
+            args = f"{kind} ..." if action.nargs == "*" else " ".join([kind] * int(action.nargs or 1))
             flag = f"`{action.option_strings[0]} {args}`"
         said = re.search(r" \(default: (.*)\)$", text) or re.search(r"; default: ([^;]*)", text)
         if said:

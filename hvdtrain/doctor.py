@@ -244,7 +244,7 @@ def parse_p2p(text: str) -> dict:
 def group_by_fast_links(links: dict, p2p: dict | None = None) -> list:
     """GPUs in groups whose every pair has a direct link (NVLink or a PCIe switch) and peer access."""
     p2p = p2p or {}
-    groups = []
+    groups: list[list[str]] = []
     for gpu in sorted((g for g in links if g.startswith("GPU")), key=_index):
         for g in groups:
             if all(links[gpu].get(o, "SYS") not in SLOW_LINKS and p2p.get(gpu, {}).get(o, "OK") == "OK"
@@ -425,7 +425,7 @@ def main(argv) -> int:
 def _init_quietly():
     try:
         return runtime.init()
-    except Exception as e:  # report it: a doctor that crashes on a broken install is no doctor
+    except Exception as e:  # noqa: BLE001 (reported: a doctor that crashes on a broken install is no doctor)
         raise UserError(f"hvd.init() failed: {e}") from None
 
 

@@ -28,7 +28,8 @@ def parse_spec(spec: str) -> list:
     """`host1:4,host2:4` -> [("host1", 4), ("host2", 4)]; a missing slot count means 1."""
     if not spec or not spec.strip():
         raise UserError("-H: empty host list; expected host1:slots,host2:slots")
-    entries, errors = [], []
+    entries: list = []
+    errors: list = []
     for i, item in enumerate(spec.split(","), 1):
         m = _SPEC_ITEM.match(item.strip())
         if not m:
@@ -44,7 +45,8 @@ def parse_hostfile(path: str, discover: bool = False) -> list:
             lines = fh.read().splitlines()
     except OSError as e:
         raise UserError(f"--hostfile {path}: {e.strerror}") from None
-    entries, errors = [], []
+    entries: list = []
+    errors: list = []
     for n, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()
         if not line:

@@ -138,6 +138,7 @@ def compile_plan(model, cfg, steps_per_epoch: int | None = None, batch_callbacks
     else:
         loss, described = _default_loss(model, activations)
     binary_logits = _binary_logits(loss, activations)
+    metrics: list | None
     if cfg.metrics is not None:
         metrics = [_named_metric(m, binary_logits) for m in cfg.metrics]
         if user.get("metrics"):
@@ -199,7 +200,7 @@ def output_activations(model) -> list:
         outputs = model.outputs or []
     except AttributeError:
         outputs = []
-    found = []
+    found: list[str | None] = []
     for t in outputs:
         layer = compat.producer(t)
         if isinstance(layer, tf.keras.layers.Softmax):

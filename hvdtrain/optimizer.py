@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+import typing
 import weakref
 from dataclasses import dataclass
 
@@ -102,10 +103,10 @@ class Made:
     info: dict  # choose()'s account of it: class, source, the one-worker lr
 
 
-_MADE = weakref.WeakKeyDictionary()  # not attributes: Keras would track the user's optimizer in checkpoints
+_MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # not attributes: Keras would track the user's optimizer in checkpoints
 
 
-def user_class(opt) -> type:
+def user_class(opt) -> typing.Any:
     """The user's own optimizer class under hvdtrain's and Horovod's wrappers (and a LossScaleOptimizer)."""
     opt = getattr(opt, "inner_optimizer", opt)
     return next(c for c in type(opt).__mro__ if not c.__module__.startswith(("horovod", "hvdtrain")))
@@ -186,8 +187,8 @@ def _distributed_keras3(opt, cfg: Config):
         # traced as written: no AutoGraph over Horovod's Python (see _Keras2Patches)
         return base.apply(self, reduce(grads, variables), trainable_variables)
 
-    cls = type(f"Distributed{base.__name__}", (base,), {"apply": apply, "user_class": base,
-                                                         "__module__": __name__})
+    cls: typing.Any = type(f"Distributed{base.__name__}", (base,), {"apply": apply, "user_class": base,
+                                                                     "__module__": __name__})
     compat.serialize_as(cls, base)
     return cls.from_config(config)
 
@@ -431,7 +432,7 @@ class TrainStep:
             check_adasum(model, cfg, world)
         own = model.train_step
         self.model, self.learning_rate, self.cfg, self.classes = model, learning_rate, cfg, classes
-        self.own = own.own if isinstance(own, TrainStep) else own
+        self.own: typing.Callable = own.own if isinstance(own, TrainStep) else own
         self.step = self._adasum if cfg.reduction == "adasum" and not compat.keras3() else self.own
 
     def install(self):

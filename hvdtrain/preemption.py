@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+from typing import Callable
 
 from . import compat, runtime
 from .runtime import EXIT_STATUS, Preempted, log
@@ -29,7 +30,7 @@ class _Flag:
             self.agreed = tf.Variable(0.0, trainable=False, name="hvdtrain_stop_agreed")
         self.wired = False  # an allreduce of the gradients carries it (along_with)
         self.signal = None  # the name of the signal that set it
-        self.release = lambda: None  # puts the signals' previous handlers back
+        self.release: Callable[[], object] = lambda: None  # puts the signals' previous handlers back
 
     def along_with(self, allreduce):
         """`allreduce(grads, variables)` that also averages this rank's flag with the others': any rank's

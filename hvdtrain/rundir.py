@@ -13,7 +13,7 @@ from . import checkpoint, runtime
 from .config import Config
 
 
-_FITS = collections.Counter()  # run dir -> the hvdtrain.fit calls of this process that trained there
+_FITS: collections.Counter = collections.Counter()  # run dir -> the hvdtrain.fit calls of this process that trained there
 
 
 def own_dir_per_fit(cfg: Config) -> tuple:

@@ -332,7 +332,7 @@ def all_ranks_agree(fn, *args, **kwargs):
         raise UserError(str(e)) from None
     except UserError as e:
         error = str(e)
-    except Exception as e:  # a bug or an environment problem: keep its traceback in this rank's log
+    except Exception as e:  # noqa: BLE001 (a bug or the environment's: its traceback in this rank's log)
         log.exception("set-up failed on rank %d", _world.rank, extra=FILE_ONLY)
         error = f"{type(e).__name__}: {e}"
     if _world.size == 1 or _alone:
@@ -418,5 +418,5 @@ def report_errors_once():
         print(f"hvdtrain: error: {value}", file=sys.stderr, flush=True)
         return None
 
-    hook.hvdtrain = True
+    hook.hvdtrain = True  # type: ignore[attr-defined]  # marks hvdtrain's own hook, so it is set once
     sys.excepthook = hook

@@ -113,7 +113,7 @@ def export_model(model, run_dir: str) -> str:
         optimizer.copy_vocabularies(model, plain)
     try:
         _compile_as_trained(plain, model)
-    except Exception as e:  # a loss or metric Keras cannot rebuild from its config (a lambda, ...)
+    except Exception as e:  # noqa: BLE001 (a loss or metric Keras cannot rebuild from its config: warned)
         log.warning("model.keras is saved without its compile state (%s); compile it after loading", failures.explain(e))
     path = os.path.join(run_dir, "model.keras")
     plain.save(path)

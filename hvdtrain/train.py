@@ -350,7 +350,7 @@ def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, trainer: Tr
         return fit_on_shard(cfg, model, data, world, ckpts, first_epoch, trainer, first_step=first_step)
     except (optimizer.NonFiniteUpdate, UserError, KeyboardInterrupt, preemption.Preempted):
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (any failed step is explained in one line, then raised)
         dog.on_failure()  # a hung peer's silence explains it: the watchdog names it
         failed = optimizer.failed_step(e)  # the step a check of TrainStep names, else Keras' count
         done = (failed if failed is not None else int(model.optimizer.iterations.numpy())) - iteration

@@ -199,7 +199,7 @@ def _addresses() -> list:
     import struct
 
     first = os.environ.get("HOROVOD_GLOO_IFACE")
-    found = []
+    found: list[str] = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:  # SIOCGIFADDR
@@ -222,11 +222,13 @@ class Watchdog:
         self.collective_s = cfg.hang_collective_seconds
         self.interval = max(0.2, min(5.0, (self.frozen_s or 30) / 6, (self.collective_s or 30) / 6))
         self.on = world.size > 1 and bool(self.frozen_s or self.stuck_s != 0 or self.collective_s)
-        self.inside_since = None  # (arrival, since when) while this rank waits in the gradients' allreduce
+        # (arrival, since when) while this rank waits in the gradients' allreduce
+        self.inside_since: tuple[int, float] | None = None
         self.stopped = threading.Event()
         self.ending = threading.Event()  # this rank is about to exit: the job is hung
         self.base = int(arrivals().count.numpy())
-        self.listener, self.unanswered_since = None, None  # since when rank 0 owes this rank an answer
+        self.listener: socket.socket | None = None
+        self.unanswered_since: float | None = None  # since when rank 0 owes this rank an answer
         self.poke, self.answers, self.connected = threading.Event(), 0, False  # heartbeat now; answers had
         contact = None
         if self.on and world.is_chief:
@@ -243,14 +245,15 @@ class Watchdog:
             now = time.monotonic()
             self.peers = [Peer(r, h, p, now if r == 0 else None) for r, (h, p) in enumerate(self.workers)]
             self.lock = threading.Lock()
-            self.verdict, self.told = None, set()
+            self.verdict: str | None = None
+            self.told: set[int] = set()
             self._thread(self._accept)
             self._thread(self._judge)
         else:
             self._thread(self._beat)
 
-    def _thread(self, fn):
-        threading.Thread(target=fn, name=f"hvdtrain-watchdog-{fn.__name__.strip('_')}", daemon=True).start()
+    def _thread(self, fn, *args):
+        threading.Thread(target=fn, args=args, name=f"hvdtrain-watchdog-{fn.__name__.strip('_')}", daemon=True).start()
 
     def arrived(self) -> int:
         return int(arrivals().count.numpy()) - self.base
@@ -309,12 +312,13 @@ class Watchdog:
     # rank 0 --------------------------------------------------------
 
     def _accept(self):
+        assert self.listener is not None  # rank 0's
         while not self.stopped.is_set():
             try:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
-            self._thread(lambda: self._serve(conn))
+            self._thread(self._serve, conn)  # this connection, not the loop's next one
 
     def _serve(self, conn):
         """One rank's heartbeats: its arrivals and what it is busy with; the answer says go on, or end."""
@@ -343,7 +347,8 @@ class Watchdog:
 
     def _judge(self):
         me = self.peers[0]
-        moved, last, steps = time.monotonic(), None, []
+        moved, last = time.monotonic(), None
+        steps: list[float] = []
         while not self.stopped.wait(self.interval):
             now = time.monotonic()
             if last is not None and now - last[0] > 3 * self.interval:  # this process was stopped itself

@@ -6,6 +6,7 @@
 # scripts/test.sh tests/test_config.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/static.sh  # seconds, before minutes of set-up: a red run says why in its first lines
 bash scripts/setup.sh
 if (($#)); then
   exec .venv/bin/python -m pytest "$@"

@@ -132,7 +132,7 @@ def main(argv) -> int:
               "stack (HVDTRAIN_STACK=keras2 scripts/setup.sh)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"host": socket.gethostname(), "cores": len(os.sched_getaffinity(0)),
+    results: dict = {"host": socket.gethostname(), "cores": len(os.sched_getaffinity(0)),
                "args": {k: v for k, v in vars(args).items() if k != "worker"},
                "scaling": {"model": args.model, "image_size": args.image_size,
                            "batch_size_per_worker": args.batch_size, "threads_per_worker": args.threads,

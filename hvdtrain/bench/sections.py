@@ -32,7 +32,8 @@ def scaling(args, out: Path, allreduce_runs=()) -> dict:
     allreduce bandwidth measured at N workers (the allreduce section), with no overlap."""
     import numpy as np
 
-    runs, gradient_bytes = {}, None
+    runs: dict = {}
+    gradient_bytes: int | None = None
     for rep in range(args.repeats):
         for controller in args.controllers:
             for n in args.workers:
@@ -60,7 +61,7 @@ def scaling(args, out: Path, allreduce_runs=()) -> dict:
             "threads_per_worker": args.threads, "gradient_bytes": gradient_bytes, "rows": rows}
 
 
-def _allreduce_GBps(allreduce_runs, controller: str, n: int, size: int):
+def _allreduce_GBps(allreduce_runs, controller: str, n: int, size: int | None):
     """hvd.allreduce's algorithm bandwidth (bytes / time) at the measured size nearest `size`."""
     import math
 
@@ -83,7 +84,7 @@ def scale(args, out: Path) -> dict:
 
     # N ranks on a few cores reach hvd.init far apart: Gloo's rendezvous gets 120 s, not its 30 (multinode.md)
     wait = {} if "HOROVOD_GLOO_TIMEOUT_SECONDS" in os.environ else {"HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}
-    runs = {}
+    runs: dict = {}
     for rep in range(args.repeats):
         for controller in args.controllers:
             for n in args.ranks:
@@ -151,7 +152,8 @@ def levers(args, out: Path) -> dict:
         size, steps, flags = _sized(args, model)
         names = args.levers or LEVER_SETS.get(model, list(LEVERS))
         names = names if "defaults" in names else ["defaults", *names]
-        one, runs = [], {name: [] for name in names}
+        one: list = []
+        runs: dict = {name: [] for name in names}
         for rep in range(args.repeats):
             one.append(launch.train([launch.PY], out / f"levers-{model}-one-{rep}", flags, args.timeout)["samples_per_sec_total"])
             for name in names:
@@ -206,16 +208,13 @@ def allreduce_worker(args) -> int:
     `python -m hvdtrain bench --worker allreduce`, so it runs with hvdtrain's environment defaults."""
     import numpy as np
 
-    try:
-        from mpi4py import MPI  # first, so that Horovod's MPI controller shares MPI with it
-    except ImportError:
-        MPI = None
+    from mpi4py import MPI  # first, so that Horovod's MPI controller shares MPI with it (a dependency)
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
     hvd.init()
     n = hvd.size()
-    use_mpi4py = MPI is not None and hvd.mpi_enabled() and MPI.COMM_WORLD.Get_size() == n
+    use_mpi4py = hvd.mpi_enabled() and MPI.COMM_WORLD.Get_size() == n
     rows = []
     for size in allreduce_sizes(args.min_bytes, args.max_bytes):
         count = size // 4
@@ -341,7 +340,8 @@ def recipe(args, out: Path) -> dict:
     python = launch.python(n, launch.controller(args), args.hosts)
     for model in args.checkpoint_models:
         size, steps, flags = _sized(args, model)
-        runs, first = {"hvdtrain": [], "recipe": []}, {"hvdtrain": [], "recipe": []}
+        runs: dict = {"hvdtrain": [], "recipe": []}
+        first: dict = {"hvdtrain": [], "recipe": []}
         for rep in range(args.repeats):
             s = launch.train(python, out / f"recipe-{model}-hvdtrain-{rep}",
                        [*flags, "--optimizer", "adam", "--lr", "0.001"], args.timeout)
@@ -380,7 +380,8 @@ def stacks(args, out: Path) -> dict:
                "other": launch.python(n, launch.controller(args), args.hosts, py=args.other_python)}
     for model in args.checkpoint_models:
         size, steps, flags = _sized(args, model)
-        runs, named = {"this": [], "other": []}, {}
+        runs: dict = {"this": [], "other": []}
+        named: dict = {}
         for rep in range(args.repeats):
             for key, python in pythons.items():
                 s = launch.train(python, out / f"stacks-{model}-{key}-{rep}", flags, args.timeout)
@@ -426,7 +427,7 @@ def _against_default(args, out: Path, section: str, kinds: dict) -> dict:
     n, rows = max(args.workers), []
     for model in args.checkpoint_models:
         size, steps, flags = _sized(args, model)
-        runs = {k: [] for k in kinds}
+        runs: dict = {k: [] for k in kinds}
         for rep in range(args.repeats):
             for kind, extra in kinds.items():
                 s = launch.train(launch.python(n, launch.controller(args), args.hosts), out / f"{section}-{model}-{kind}-{rep}",
@@ -478,7 +479,7 @@ def startup(args, out: Path) -> dict:
         ours.mkdir()
         data_lib.write_tfrecords(x, y, str(ours / "part"), 8)
     sources = {"own_pipeline": "hvdtrain.bench.own_records:dataset", "tfrecord": f"tfrecord:{ours}/*.tfrecord"}
-    times = {k: [] for k in sources}
+    times: dict = {k: [] for k in sources}
     for rep in range(args.repeats):
         for kind, source in sources.items():
             flags = ["--model", "mlp", "--data", source, "--val-split", "0", "--epochs", "1", "--steps-per-epoch",
@@ -516,7 +517,8 @@ def checkpoint_cost(args, out: Path) -> dict:
     rows = []
     for model in args.checkpoint_models:
         size, steps, flags = _sized(args, model)
-        runs, saves = {"off": [], "on": []}, []
+        runs: dict = {"off": [], "on": []}
+        saves: list = []
         for rep in range(args.repeats):
             for kind in runs:
                 s = launch.train(launch.python(n, launch.controller(args), args.hosts), out / f"checkpoint-{model}-{kind}-{rep}",
@@ -551,7 +553,7 @@ def _hook_seconds(cfg, calls=200_000) -> float:
     model.build((None, 1))
     logs = {"loss": tf.constant(1.0), "accuracy": tf.constant(0.5)}
     tf.get_logger().setLevel("ERROR")  # Keras' "slow compared to the batch time": there is no batch here
-    timed = {}
+    timed: dict = {}
     for kind in ("without", "with", "without", "with"):
         hook = callbacks.checkpoints(cfg, Saves(), calls, 0, 0) if kind == "with" else None
         cbs = tf.keras.callbacks.CallbackList([hook] if hook else [], add_history=True, model=model, epochs=1,

@@ -123,7 +123,7 @@ def resolve(ref: str, what: str):
     mod_name, _, fn_name = ref.partition(":")
     try:
         module = importlib.import_module(mod_name)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (whatever the user's module raises, said in one line)
         raise UserError(f"{what} {ref}: cannot import module '{mod_name}' ({type(e).__name__}: {e})") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):

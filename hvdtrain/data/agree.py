@@ -27,7 +27,7 @@ def steps(cfg: Config, world: World, mine: int, batch: int, unit: str = "samples
             f"the {world.size} workers (one batch each)"
         raise UserError(f"--data {cfg.data}: {total} training {unit} is fewer than {what}; "
                         f"lower --batch-size or use fewer workers")
-    notes = []
+    notes: list[str] = []
     if cfg.steps_per_epoch and cfg.steps_per_epoch < steps:
         return cfg.steps_per_epoch, notes, total
     left = [s - steps * batch for s in sizes]

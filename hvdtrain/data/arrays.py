@@ -2,6 +2,8 @@
 sets (digits, synthetic, mnist, fashion_mnist, cifar10), which are arrays once loaded."""
 from __future__ import annotations
 
+import zipfile
+
 import numpy as np
 
 from ..config import BUILT_IN_VAL_SPLIT, DEFAULT_BATCH_SIZE, Config, UserError
@@ -35,7 +37,7 @@ class Arrays:
         self.cfg, self.world, self.x, self.y, self.xv, self.yv = cfg, world, x, y, xv, yv
         self.batch = cfg.batch_size or DEFAULT_BATCH_SIZE
         self.n = len(tf.nest.flatten(y)[0])
-        self.steps = None
+        self.steps = 0  # agreed in load
 
     def count(self) -> int:
         """This rank's samples in an epoch."""
@@ -104,7 +106,7 @@ def keras_dataset(name):
 
         try:
             (x, y), (xv, yv) = getattr(tf.keras.datasets, name).load_data()
-        except Exception as e:
+        except (OSError, ValueError) as e:  # urllib's errors are OSErrors; a truncated file a ValueError
             raise UserError(f"--data {name}: could not download it ({type(e).__name__}); offline? "
                             f"Save it as npz (x, y, x_val, y_val) and use --data npz:PATH") from None
         x, xv = (a.astype(np.float32) / 255.0 for a in (x, xv))
@@ -126,7 +128,7 @@ def load_npz(cfg, path, need_classes):
     try:
         with np.load(path) as f:
             arrays = {k: f[k] for k in f.files}
-    except Exception as e:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:  # missing, not npz, or corrupt
         raise UserError(f"--data npz:{path}: cannot read it as npz ({e})") from None
     for key in ("x", "y"):
         if key not in arrays:

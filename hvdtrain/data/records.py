@@ -30,7 +30,7 @@ class Records:
         self.batch = cfg.batch_size or DEFAULT_BATCH_SIZE
         self.by_file = len(self.files) >= world.size
         self.sharding = "file" if self.by_file else "element"
-        self.steps = None
+        self.steps = 0  # agreed in load
 
     def shard(self) -> list:
         """This worker's files: its own, or all of them when there are fewer files than workers."""

@@ -27,7 +27,7 @@ class Sequences:
 
     def __init__(self, cfg: Config, world: World, seq, validation, need_classes):
         self.cfg, self.world, self.seq, self.validation, self.need_classes = cfg, world, seq, validation, need_classes
-        self.n, self.steps = len(seq), None
+        self.n, self.steps = len(seq), 0  # steps: agreed in load
         self.ended, self.before = 0, compat.sequence_epoch_ends_before_training()  # on_epoch_end: made, owed
 
     def count(self) -> int:

@@ -16,7 +16,8 @@ for per_call in (1, 4):
     optimizer.build(model)
     state = compat.elastic_state(model, epoch=0, batch=0)  # Horovod's KerasState on Keras 2
     steps, commit = [], state.commit
-    state.commit = lambda: (steps.append(int(model.optimizer.iterations.numpy())), commit())
+    state.commit = lambda steps=steps, model=model, commit=commit: (
+        steps.append(int(model.optimizer.iterations.numpy())), commit())
     model.fit(np.zeros((40 * 8, 4)), np.zeros(40 * 8), batch_size=8, epochs=1, verbose=0,
               callbacks=train.elastic_commits(config.Config(commit_every=10), per_call, state))
     committed[per_call] = steps

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from conftest import error_lines, KERAS3, launch, ROOT
+from jobs import error_lines, KERAS3, launch, ROOT
 
 
 

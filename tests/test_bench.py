@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import KERAS3, PYTHON, ROOT, job_env, run
+from jobs import KERAS3, PYTHON, ROOT, job_env, run
 from doc_commands import all_commands, is_bench, shell, small
 from hvdtrain.bench import launch, sections
 

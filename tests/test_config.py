@@ -115,7 +115,7 @@ def test_a_users_pip_install_pandas_into_the_venv_keeps_the_stack_working():
     (scripts/setup.sh writes them), so numpy and TensorFlow stay the stack's and still import."""
     import subprocess
 
-    from conftest import PYTHON
+    from jobs import PYTHON
 
     def versions():
         out = subprocess.run([PYTHON, "-c", "import numpy, tensorflow as tf; print(numpy.__version__, tf.__version__)"],
@@ -137,7 +137,7 @@ def test_setup_on_a_python_no_stack_supports_says_which_pythons_work_in_one_line
     import glob
     import subprocess
 
-    from conftest import ROOT
+    from jobs import ROOT
 
     found = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}*/bin/python{version}")))
     if not found:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run
+from jobs import ROOT, run
 
 pytestmark = [pytest.mark.docker, pytest.mark.alone]
 

@@ -4,7 +4,7 @@ naming host1/host2 run on the netns hosts in tests/test_multihost.py, the bench'
 
 import pytest
 
-from conftest import run
+from jobs import run
 from doc_commands import NOT_RUN, all_commands, is_bench, names_hosts, shell, small
 
 pytestmark = pytest.mark.alone  # the docs' commands write where the docs say

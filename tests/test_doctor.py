@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from conftest import KERAS3, ROOT, launch
+from jobs import KERAS3, ROOT, launch
 from hvdtrain import doctor
 
 pytestmark = pytest.mark.alone  # it reads this host's cores and processes

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, job_env, processes_of, run, run_worker_script, spawn
+from jobs import BIN, PYTHON, ROOT, job_env, processes_of, run, run_worker_script, spawn
 
 pytestmark = pytest.mark.alone  # hosts join and leave on a clock
 

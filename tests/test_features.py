@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import error_lines, launch, start, train
+from jobs import error_lines, launch, start, train
 
 FAST = ("--model", "mlp", "--data", "digits", "--steps-per-epoch", "6")
 EXACT = FAST + ("--optimizer", "sgd", "--warmup-epochs", "0", "--seed", "3")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import error_lines, launch, pid_of_rank, processes_of, start
+from jobs import error_lines, launch, pid_of_rank, processes_of, start
 from hvdtrain.watchdog import Peer, stuck_bound, verdict
 
 pytestmark = pytest.mark.alone  # a hang is named within a bound of seconds

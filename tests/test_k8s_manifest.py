@@ -12,7 +12,7 @@ import pytest
 import referencing
 import yaml
 
-from conftest import ROOT
+from jobs import ROOT
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 MANIFEST = ROOT / "docker" / "k8s" / "mpijob.yaml"

@@ -4,7 +4,7 @@ the Keras 2 stack; the rest of the suite runs on both."""
 import numpy as np
 import pytest
 
-from conftest import KERAS3, run_worker_script, train
+from jobs import KERAS3, run_worker_script, train
 
 pytestmark = [pytest.mark.stacks, pytest.mark.skipif(not KERAS3, reason="the Keras 2 stack")]
 

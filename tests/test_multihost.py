@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, error_lines, job_env, PYTHON, ROOT, run
+from jobs import BIN, error_lines, job_env, PYTHON, ROOT, run
 
 pytestmark = [pytest.mark.multihost, pytest.mark.alone]
 

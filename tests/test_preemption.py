@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from conftest import launch, PYTHON, start
+from jobs import launch, PYTHON, start
 
 pytestmark = pytest.mark.alone  # signals land at a moment of a running job
 

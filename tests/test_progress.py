@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import PYTHON, ROOT, job_env, launch
+from jobs import PYTHON, ROOT, job_env, launch
 
 # about 60 steps of a small cnn per epoch: long enough for several progress lines 0.1 s apart
 JOB = ("--model", "cnn", "--data", "synthetic", "--synthetic-shape", "16", "16", "3", "--synthetic-samples",

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import KERAS3, launch, pid_of_rank, processes_of, start, train
+from jobs import KERAS3, launch, pid_of_rank, processes_of, start, train
 from hvdtrain import config, hosts
 from hvdtrain.config import UserError
 

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conftest import error_lines, KERAS3, launch, ROOT, train
+from jobs import error_lines, KERAS3, launch, ROOT, train
 
 FAST = ("--model", "mlp", "--data", "digits", "--steps-per-epoch", "4")
 

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, job_env, run
+from jobs import BIN, PYTHON, ROOT, job_env, run
 from test_multihost import ENV_NAMES, MPI_YIELD, netns_hosts
 
 pytestmark = [pytest.mark.scale, pytest.mark.alone]

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from conftest import run_worker_script
+from jobs import run_worker_script
 
 
 def _ids_npz(path, n):

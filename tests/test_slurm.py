@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, job_env
+from jobs import ROOT, job_env
 from test_multihost import _why_no_cluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.alone]

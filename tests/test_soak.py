@@ -5,7 +5,7 @@ import os
 import psutil
 import pytest
 
-from conftest import LAUNCHERS, launch, processes_of
+from jobs import LAUNCHERS, launch, processes_of
 
 pytestmark = pytest.mark.alone  # no process or port may be left
 

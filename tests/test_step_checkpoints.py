@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import BIN, KERAS3, PYTHON, command, launch, run, train
+from jobs import BIN, KERAS3, PYTHON, command, launch, run, train
 
 N, BATCH, WORKERS, EPOCHS, EVERY = 384, 8, 2, 3, 5
 STEPS = N // (BATCH * WORKERS)  # 24 per epoch, nothing left out

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from conftest import KERAS3, LAUNCHERS, PYTHON, run, run_worker_script, train
+from jobs import KERAS3, LAUNCHERS, PYTHON, run, run_worker_script, train
 
 DIGITS_FAST = ("--model", "mlp", "--data", "digits", "--epochs", "2", "--steps-per-epoch", "5")
 

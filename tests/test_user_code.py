@@ -1,5 +1,5 @@
 """A user's own model and tf.data pipeline, plugged in as module:function."""
-from conftest import train
+from jobs import train
 
 
 def test_user_model_and_dataset_train_at_two_workers(out):

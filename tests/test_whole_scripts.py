@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import KERAS3, error_lines, launch, run_worker_script, train
+from jobs import KERAS3, error_lines, launch, run_worker_script, train
 
 pytestmark = pytest.mark.stacks
 

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import error_lines, launch, train
+from jobs import error_lines, launch, train
 
 pytestmark = pytest.mark.stacks  # the user data contract: run on both stacks
 

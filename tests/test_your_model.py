@@ -4,7 +4,7 @@ The models and data are written as users write them (tests/user_models.py, tests
 import numpy as np
 import pytest
 
-from conftest import KERAS3, ROOT, launch, run_worker_script, train
+from jobs import KERAS3, ROOT, launch, run_worker_script, train
 
 pytestmark = pytest.mark.stacks  # the user model contract: run on both stacks
 

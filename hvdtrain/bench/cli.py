@@ -41,6 +41,9 @@ def parser():
                    help=f"levers: these instead of each model's own ({', '.join(sections.LEVERS)})")
     p.add_argument("--checkpoint-models", type=lambda s: s.split(","), default=["mlp", "cnn", "resnet50"],
                    help="recipe, checkpoint, callbacks, preemption, stacks: the built-in models, each at its size (MODEL_SIZES)")
+    p.add_argument("--epoch-steps", type=_per_model, default={},
+                   help="recipe, checkpoint, callbacks, preemption, stacks: steps per epoch by model in place of "
+                        "MODEL_SIZES' (mlp=187,resnet50=13: counts that no number of steps per call divides)")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--study-tasks", type=lambda s: s.split(","), default=["cnn", "wide"],
@@ -53,6 +56,15 @@ def parser():
     p.add_argument("--study-peer", help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=["allreduce", "keras", "sync-vs-async"], help=argparse.SUPPRESS)
     return p
+
+
+def _per_model(text: str) -> dict:
+    """mlp=187,resnet50=13 as {"mlp": 187, "resnet50": 13}."""
+    try:
+        pairs = [item.split("=") for item in text.split(",")]
+        return {model: int(steps) for model, steps in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MODEL=STEPS,..., got {text!r}") from None
 
 
 def _sync_vs_async(args, out, results):
@@ -90,6 +102,10 @@ def check(args):
     levers = set(args.levers or ()) - set(sections.LEVERS)
     if levers:
         raise UserError(f"bench: unknown lever(s) {', '.join(sorted(levers))}; choose from {', '.join(sections.LEVERS)}")
+    unsized = set(args.epoch_steps) - set(sections.MODEL_SIZES)
+    if unsized:
+        raise UserError(f"bench: --epoch-steps names {', '.join(sorted(unsized))}; choose from "
+                        f"{', '.join(sections.MODEL_SIZES)}")
     if "stacks" in args.sections and not (args.other_python and os.access(args.other_python, os.X_OK)):
         raise UserError(f"bench: --sections stacks needs --other-python, another venv's python (e.g. "
                         f".venv-keras2/bin/python); got {args.other_python!r}")
@@ -104,6 +120,7 @@ def shrink(args):
     args.model, args.image_size, args.batch_size, args.steps, args.repeats = "mlp", 8, 16, 1, 1
     args.min_bytes, args.max_bytes, args.records = 4 << 10, 16 << 10, 400
     args.lever_models, args.checkpoint_models = ["mlp"], ["mlp"]
+    args.epoch_steps = {m: min(n, 11) for m, n in args.epoch_steps.items()}  # still no count per call divides it
     args.study_tasks, args.study_seeds, args.study_epochs = args.study_tasks[:1], 1, min(args.study_epochs, 2)
     launch.say(f"{SMALL} is set: every section at its smallest sizes (1 round, the MLP, at most 2 "
                f"workers); these figures measure nothing")

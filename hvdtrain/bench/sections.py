@@ -324,9 +324,9 @@ MODEL_SIZES = {"mlp": (8, 50), "cnn": (16, 5), "resnet50": (32, 0.5)}
 
 
 def _sized(args, model: str):
-    """(image size, steps per epoch, hvdtrain's flags) of a model at its MODEL_SIZES."""
+    """(image size, steps per epoch, hvdtrain's flags) of a model at its MODEL_SIZES (its --epoch-steps)."""
     size, per = MODEL_SIZES.get(model, (args.image_size, 1))
-    steps = max(1, round(per * args.steps))
+    steps = getattr(args, "epoch_steps", {}).get(model) or max(1, round(per * args.steps))
     return size, steps, train_flags(argparse.Namespace(**{**vars(args), "model": model, "image_size": size}), steps)
 
 

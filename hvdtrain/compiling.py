@@ -88,8 +88,10 @@ def _decisions(model, cfg: Config, data, plan, per_batch: list) -> dict:
     }
 
 
-# settings that may differ between ranks: what a rank prints or how many threads it computes with
-LOCAL_SETTINGS = ("verbose", "log_every", "threads", "worker_logs", "config")
+# settings that may differ between ranks: what a rank prints, how many threads it computes with, and the
+# paths only rank 0 reads or writes (a node-local output dir per rank is fine: rank 0 decides and broadcasts)
+LOCAL_SETTINGS = ("verbose", "log_every", "threads", "worker_logs", "config", "output_dir", "resume",
+                  "horovod_timeline", "tensorboard")
 
 
 def _xla_only_where_horovod_has_it(plan, cfg: Config, world: runtime.World):

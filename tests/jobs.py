@@ -14,9 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable  # the project's .venv python: horovodrun and mpirun start workers with it
 BIN = Path(PYTHON).parent
 LAUNCHERS = ("gloo", "mpi", "mpirun")
-# the stack under test: Keras 3 (tf.keras has keras.ops) or Keras 2; asked of the venv's own Python
-KERAS3 = subprocess.run([PYTHON, "-c", "import tensorflow as tf, sys; sys.exit(not hasattr(tf.keras, 'ops'))"],
-                        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}).returncode == 0
+# Asked of the venv's own Python once: the stack under test, Keras 3 (tf.keras has keras.ops) or Keras 2,
+# and what Horovod was built with (horovodrun_checked_once.py answers horovodrun's build check with it)
+_ASKED = json.loads(subprocess.run(
+    [PYTHON, "-c", "import json, horovod.tensorflow as hvd, tensorflow as tf; print(json.dumps({'keras3': "
+                   "hasattr(tf.keras, 'ops'), 'mpi': hvd.mpi_built(), 'gloo': hvd.gloo_built()}))"],
+    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+KERAS3 = _ASKED["keras3"]
+HOROVOD_BUILT = json.dumps({"mpi": _ASKED["mpi"], "gloo": _ASKED["gloo"]})
 
 
 def job_env(extra=None):
@@ -32,13 +37,15 @@ def job_env(extra=None):
         # Debian's PMIx (libpmix2 depends on libmunge2) tries munge first: with no munged running, as
         # here outside the Slurm tests, every mpirun waits 2.3 s for it (hvdtrain doctor says so)
         "PMIX_MCA_psec": "native",
+        "HVDTRAIN_TEST_HOROVOD_BUILT": HOROVOD_BUILT,
     })
     env.update(extra or {})
     return env
 
 
 def command(np_, launcher, argv):
-    """The command line a user would type for np_ workers on this host."""
+    """The command line a user would type for np_ workers on this host (horovodrun's build check asked
+    once per test session: horovodrun_checked_once.py)."""
     worker = [PYTHON] + list(argv)
     if launcher is None:
         assert np_ == 1
@@ -46,7 +53,8 @@ def command(np_, launcher, argv):
     if launcher == "mpirun":
         return ["mpirun", "-np", str(np_), "--bind-to", "none",
                 "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", "-x", "PYTHONUNBUFFERED"] + worker
-    return [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", f"--{launcher}"] + worker
+    return [PYTHON, str(ROOT / "tests" / "horovodrun_checked_once.py"), "-np", str(np_), "-H", f"localhost:{np_}",
+            f"--{launcher}"] + worker
 
 
 def run(cmd, timeout=300, env=None):

@@ -8,7 +8,6 @@ import pytest
 from hvdtrain import config
 from hvdtrain.config import Config, UserError
 
-pytestmark = pytest.mark.alone  # it pip-installs into the venv every other test imports from
 
 
 def test_flags_win_over_yaml_and_yaml_over_defaults(tmp_path):
@@ -110,6 +109,7 @@ def test_each_value_is_read_by_its_fields_type(values, message):
 
 
 @pytest.mark.stacks
+@pytest.mark.alone  # it pip-installs into the venv every other test imports from
 def test_a_users_pip_install_pandas_into_the_venv_keeps_the_stack_working():
     """keras.io's structured-data examples use pandas; pip resolves it against the venv's constraints
     (scripts/setup.sh writes them), so numpy and TensorFlow stay the stack's and still import."""

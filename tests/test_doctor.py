@@ -7,7 +7,6 @@ import pytest
 from jobs import KERAS3, ROOT, launch
 from hvdtrain import doctor
 
-pytestmark = pytest.mark.alone  # it reads this host's cores and processes
 
 
 def _doctor(*flags, np_=1, launcher=None, env=None):

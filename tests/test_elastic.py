@@ -16,7 +16,6 @@ import pytest
 
 from jobs import BIN, PYTHON, ROOT, job_env, processes_of, run, run_worker_script, spawn
 
-pytestmark = pytest.mark.alone  # hosts join and leave on a clock
 
 EPOCHS = 60
 
@@ -71,6 +70,7 @@ def _workers_launched_as(rank, out):
 
 
 @pytest.mark.stacks
+@pytest.mark.alone  # hosts join and leave on a clock
 def test_elastic_job_takes_in_a_new_host_loses_a_worker_and_still_finishes_every_epoch(tmp_path):
     third = _local_alias()
     hostfile = tmp_path / "hosts"

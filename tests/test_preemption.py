@@ -11,7 +11,6 @@ import pytest
 
 from jobs import launch, PYTHON, start
 
-pytestmark = pytest.mark.alone  # signals land at a moment of a running job
 
 SMALL = ["--model", "userdata:tiny_model", "--epochs", "3", "--batch-size", "16", "--lr", "0.05", "--verbose", "0",
          "--no-tensorboard", "--checkpoint-every-steps", "0", "--callbacks", "userdata:signal_self"]

@@ -13,7 +13,6 @@ from jobs import KERAS3, launch, pid_of_rank, processes_of, start, train
 from hvdtrain import config, hosts
 from hvdtrain.config import UserError
 
-pytestmark = pytest.mark.alone  # kills at a moment, and no process may be left
 
 LONG = ("--model", "mlp", "--data", "digits", "--epochs", "500", "--steps-per-epoch", "20", "--verbose", "0",
         "--no-tensorboard")

@@ -2,7 +2,6 @@
 are read from the files (tests/doc_commands.py), so an edited command is the command tested; those
 naming host1/host2 run on the netns hosts in tests/test_multihost.py, the bench's in tests/test_bench.py."""
 
-import pytest
 
 from jobs import run
 from doc_commands import NOT_RUN, all_commands, is_bench, names_hosts, shell, small

@@ -160,7 +160,12 @@ def _sparse_classes(model, loss, element_spec) -> int | None:
     y = tf.keras.utils.unpack_x_y_sample_weight(element_spec)[1]
     if not sparse or not isinstance(y, tf.TensorSpec):
         return None
-    out = model(_zeros_like(element_spec)[0], training=False)
+    try:
+        out = model(_zeros_like(element_spec)[0], training=False)
+    except (ValueError, TypeError, tf.errors.OpError) as e:  # data the model cannot take: its step says so
+        runtime.fallback("label-check", f"{model.name}: the labels are not checked against the model's classes, "
+                                        f"since it could not be called on zeros shaped as the data", e)
+        return None
     return int(out.shape[-1]) if tf.is_tensor(out) and out.shape.rank and out.shape[-1] else None
 
 

@@ -1,5 +1,8 @@
 """Training features at 1 and 2 workers: checkpoints and resume, accumulation, compression, Adasum,
-clipping, mixed precision, schedules, Horovod knobs, determinism, NaN handling, early stopping."""
+clipping, mixed precision, schedules, Horovod knobs, determinism, NaN handling, early stopping.
+
+The runs that need no process of their own train in one job per launcher, one after another
+(tests/workers/many_fits.py), each in its own output dir."""
 import json
 import os
 import signal
@@ -9,10 +12,54 @@ import time
 import numpy as np
 import pytest
 
-from jobs import error_lines, launch, start, train
+from jobs import ROOT, error_lines, launch, start, train
 
 FAST = ("--model", "mlp", "--data", "digits", "--steps-per-epoch", "6")
 EXACT = FAST + ("--optimizer", "sgd", "--warmup-epochs", "0", "--seed", "3")
+# the same, as hvdtrain.fit's keys
+FAST_KEYS = dict(model="mlp", data="digits", steps_per_epoch=6)
+EXACT_KEYS = dict(FAST_KEYS, optimizer="sgd", warmup_epochs=0, seed=3)
+RUNS = {
+    "gloo": {
+        "acc": dict(EXACT_KEYS, epochs=1, steps_per_epoch=12, batch_size=8, backward_passes_per_step=2, lr=0.05),
+        "clip-two": dict(EXACT_KEYS, clip_norm=0.05, epochs=1, batch_size=16, lr=0.5),
+        "fp16-compression": dict(model="mlp", data="digits", epochs=4, compression="fp16"),
+        "mixed_float16": dict(FAST_KEYS, epochs=3, precision="mixed_float16"),
+        "mixed_bfloat16": dict(FAST_KEYS, epochs=3, precision="mixed_bfloat16"),
+        "step": dict(FAST_KEYS, epochs=5, lr=0.01, warmup_epochs=1, lr_schedule="step", lr_decay_epochs=[2, 4],
+                     lr_decay_factor=0.5),
+        "early-stopping": dict(FAST_KEYS, epochs=20, lr=1e-9, monitor="val_accuracy", early_stopping_patience=1),
+    },
+    "mpi": {
+        "adasum": dict(model="mlp", data="digits", epochs=4, reduction="adasum"),
+        "grouped": dict(EXACT_KEYS, epochs=2, allreduce_groups=3),
+        "fused": dict(EXACT_KEYS, epochs=2),
+    },
+    None: {  # one worker, plain python
+        "acc-big": dict(EXACT_KEYS, epochs=1, steps_per_epoch=6, batch_size=32, lr=0.2),
+        "clip-one": dict(EXACT_KEYS, clip_norm=0.05, epochs=1, batch_size=32, lr=1.0),
+        "clip-free": dict(EXACT_KEYS, epochs=1, batch_size=32, lr=1.0),
+        "cosine": dict(FAST_KEYS, epochs=4, lr=0.01, lr_schedule="cosine"),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory):
+    """Every run of RUNS, one job per launcher: {run: its output dir}."""
+    done = {}
+    for launcher, runs in RUNS.items():
+        base = tmp_path_factory.mktemp(f"fits-{launcher}")
+        (base / "spec.json").write_text(json.dumps({str(base / name): keys for name, keys in runs.items()}))
+        proc = launch(2 if launcher else 1, launcher,
+                      [str(ROOT / "tests" / "workers" / "many_fits.py"), str(base / "spec.json")], timeout=900)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        done.update({name: base / name for name in runs})
+    return done
+
+
+def _summary(fits, name) -> dict:
+    return json.loads((fits[name] / "summary.json").read_text())
 
 
 def _weights(path):
@@ -57,39 +104,27 @@ def test_only_the_last_k_checkpoints_are_kept_and_resume_path_restarts_from_one(
 
 # ---------------------------------------------------------------- gradients
 
-def test_accumulating_two_passes_on_two_workers_equals_one_worker_with_four_times_the_batch(tmp_path):
-    train(2, "gloo", tmp_path / "acc", *EXACT, "--epochs", "1", "--steps-per-epoch", "12",
-          "--batch-size", "8", "--backward-passes-per-step", "2", "--lr", "0.05")
-    train(1, None, tmp_path / "big", *EXACT, "--epochs", "1", "--steps-per-epoch", "6",
-          "--batch-size", "32", "--lr", "0.2")
-    assert _max_diff(tmp_path / "acc", tmp_path / "big") < 1e-5
+def test_accumulating_two_passes_on_two_workers_equals_one_worker_with_four_times_the_batch(fits):
+    assert _max_diff(fits["acc"], fits["acc-big"]) < 1e-5
 
 
-def test_clipping_applies_to_the_averaged_gradient(tmp_path):
-    clip = ("--clip-norm", "0.05", "--epochs", "1")
-    train(2, "gloo", tmp_path / "two", *EXACT, *clip, "--batch-size", "16", "--lr", "0.5")
-    train(1, None, tmp_path / "one", *EXACT, *clip, "--batch-size", "32", "--lr", "1.0")
-    train(1, None, tmp_path / "free", *EXACT, "--epochs", "1", "--batch-size", "32", "--lr", "1.0")
-    assert _max_diff(tmp_path / "two", tmp_path / "one") < 1e-5
-    assert _max_diff(tmp_path / "one", tmp_path / "free") > 1e-3  # the clip was active
+def test_clipping_applies_to_the_averaged_gradient(fits):
+    assert _max_diff(fits["clip-two"], fits["clip-one"]) < 1e-5
+    assert _max_diff(fits["clip-one"], fits["clip-free"]) > 1e-3  # the clip was active
 
 
-@pytest.mark.parametrize("launcher, flags", [
-    ("gloo", ("--compression", "fp16")),
-    ("mpi", ("--reduction", "adasum")),
-], ids=["fp16-compression", "adasum"])
-def test_compression_and_adasum_train_and_keep_ranks_identical(launcher, flags, out):
-    s = train(2, launcher, out, "--model", "mlp", "--data", "digits", "--epochs", "4", *flags)
+@pytest.mark.parametrize("run", ["fp16-compression", "adasum"])
+def test_compression_and_adasum_train_and_keep_ranks_identical(run, fits):
+    s = _summary(fits, run)
     assert len(set(s["weights_sha256_by_rank"])) == 1
     assert s["metrics"]["val_accuracy"] > 0.85
 
 
-def test_grouped_allreduce_gives_the_weights_of_the_ungrouped_one(tmp_path):
+def test_grouped_allreduce_gives_the_weights_of_the_ungrouped_one(fits):
     """Groups change when each gradient is sent, not what is summed: two ranks' average is exact."""
-    grouped = train(2, "mpi", tmp_path / "grouped", *EXACT, "--epochs", "2", "--allreduce-groups", "3")
-    train(2, "mpi", tmp_path / "fused", *EXACT, "--epochs", "2")
+    grouped = _summary(fits, "grouped")
     assert grouped["config"]["allreduce_groups"] == 3 and len(set(grouped["weights_sha256_by_rank"])) == 1
-    assert _max_diff(tmp_path / "grouped", tmp_path / "fused") == 0.0
+    assert _max_diff(fits["grouped"], fits["fused"]) == 0.0
 
 
 def test_sparse_embedding_gradients_allreduced_as_dense_in_the_example(out):
@@ -99,8 +134,8 @@ def test_sparse_embedding_gradients_allreduced_as_dense_in_the_example(out):
 
 
 @pytest.mark.parametrize("precision, loss_scaling", [("mixed_float16", True), ("mixed_bfloat16", False)])
-def test_mixed_precision_trains_with_loss_scaling_where_needed(precision, loss_scaling, out):
-    s = train(2, "gloo", out, *FAST, "--epochs", "3", "--precision", precision)
+def test_mixed_precision_trains_with_loss_scaling_where_needed(precision, loss_scaling, fits):
+    s, out = _summary(fits, precision), fits[precision]
     assert s["precision"] == {"policy": precision, "loss_scaling": loss_scaling}
     assert len(set(s["weights_sha256_by_rank"])) == 1 and np.isfinite(s["metrics"]["loss"])
     import tensorflow as tf
@@ -111,15 +146,12 @@ def test_mixed_precision_trains_with_loss_scaling_where_needed(precision, loss_s
 
 # ---------------------------------------------------------------- schedules and knobs
 
-def test_step_schedule_multiplies_the_scaled_lr_at_each_milestone(out):
-    s = train(2, "gloo", out, *FAST, "--epochs", "5", "--lr", "0.01", "--warmup-epochs", "1",
-              "--lr-schedule", "step", "--lr-decay-epochs", "2", "4", "--lr-decay-factor", "0.5")
-    assert s["metrics"]["lr"] == pytest.approx(0.01 * 2 * 0.25, rel=1e-5)
+def test_step_schedule_multiplies_the_scaled_lr_at_each_milestone(fits):
+    assert _summary(fits, "step")["metrics"]["lr"] == pytest.approx(0.01 * 2 * 0.25, rel=1e-5)
 
 
-def test_cosine_schedule_decays_to_almost_zero(out):
-    s = train(1, None, out, *FAST, "--epochs", "4", "--lr", "0.01", "--lr-schedule", "cosine")
-    assert s["metrics"]["lr"] < 0.01 * 0.05
+def test_cosine_schedule_decays_to_almost_zero(fits):
+    assert _summary(fits, "cosine")["metrics"]["lr"] < 0.01 * 0.05
 
 
 def test_timeline_is_written_by_rank0_as_a_chrome_trace_and_gloo_says_it_has_no_stall_check(tmp_path):
@@ -158,11 +190,10 @@ def test_nan_loss_on_one_worker_stops_every_worker_at_the_same_step(launcher, tm
     assert len(ours) == 1 and "NaN or infinite at epoch 1, step 1" in ours[0], proc.stdout[-3000:]
 
 
-def test_early_stopping_decides_on_averaged_metrics_and_keeps_the_best_weights(out):
-    s = train(2, "gloo", out, *FAST, "--epochs", "20", "--lr", "1e-9", "--monitor", "val_accuracy",
-              "--early-stopping-patience", "1")
+def test_early_stopping_decides_on_averaged_metrics_and_keeps_the_best_weights(fits):
+    s = _summary(fits, "early-stopping")
     assert s["epochs_run"] == 2  # no improvement after the first epoch: stop after 1 more
-    assert (out / "best.weights.h5").is_file()
+    assert (fits["early-stopping"] / "best.weights.h5").is_file()
 
 
 def test_examples_run_from_their_yaml(out):

@@ -14,7 +14,7 @@ from test_multihost import _why_no_cluster
 pytestmark = [pytest.mark.slurm, pytest.mark.alone]
 
 SMALL = ["--epochs", "2", "--steps-per-epoch", "5", "--verbose", "0", "--no-tensorboard"]
-LONG = ["--model", "mlp", "--data", "synthetic", "--synthetic-shape", "8", "8", "1", "--synthetic-samples", "40000",
+LONG = ["--model", "mlp", "--data", "synthetic", "--synthetic-shape", "8", "8", "1", "--synthetic-samples", "20000",
         "--batch-size", "16", "--epochs", "3", "--val-split", "0.05", "--no-tensorboard", "--verbose", "0",
         "--checkpoint-every-steps", "0"]
 

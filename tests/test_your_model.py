@@ -1,12 +1,66 @@
 """Your own Keras model, trained as you compiled it: regression, binary, one-hot, keras.applications,
 named inputs, your optimizer, your train_step, BatchNorm; at 2 workers under horovodrun and mpirun.
-The models and data are written as users write them (tests/user_models.py, tests/user_data.py)."""
+The models and data are written as users write them (tests/user_models.py, tests/user_data.py).
+
+Most of them train in one job per launcher, one model after another (tests/workers/many_fits.py, as a
+script calling hvdtrain.fit for each would), each in its own output dir that its test reads."""
+import json
+
 import numpy as np
 import pytest
 
 from jobs import KERAS3, ROOT, launch, run_worker_script, train
 
 pytestmark = pytest.mark.stacks  # the user model contract: run on both stacks
+
+# hvdtrain.fit's keys of each run, by launcher: one job each
+RUNS = {
+    "mpirun": {
+        "xla": dict(model="user_models:xla_regression", data="user_data:diabetes", epochs=2),
+        "regression": dict(model="user_models:regression", data="user_data:diabetes", epochs=30),
+        "class-flag": dict(model="user_models:binary", data="user_data:breast_cancer", epochs=2, seed=3,
+                           class_weight={0: 3, 1: 0.5}),
+        "class-samples": dict(model="user_models:binary", data="user_data:breast_cancer_weighted", epochs=2, seed=3),
+        "class-none": dict(model="user_models:binary", data="user_data:breast_cancer", epochs=2, seed=3),
+        "one-hot": dict(model="user_models:mnist_convnet", data="user_data:digits_onehot", epochs=4),
+        "sgd": dict(model="user_models:sgd_momentum", data="digits", epochs=2, steps_per_epoch=5),
+        "sgd-adam": dict(model="user_models:sgd_momentum", data="digits", epochs=1, steps_per_epoch=5,
+                         optimizer="adam"),
+        "batchnorm": dict(model="user_models:small_bn_cnn", data="user_data:digits", epochs=2),
+        "multi-label": dict(model="user_models:multi_label", data="user_data:digits_multi_label", epochs=8),
+    },
+    "gloo": {
+        "binary": dict(model="user_models:binary", data="user_data:breast_cancer", epochs=6),
+        "mobilenet-softmax": dict(model="user_models:mobilenet_softmax", data="user_data:digits_rgb32", epochs=2,
+                                  steps_per_epoch=6),
+        "mobilenet-logits": dict(model="user_models:mobilenet_logits", data="user_data:digits_rgb32", epochs=2,
+                                 steps_per_epoch=6),
+        "named-inputs": dict(model="user_models:structured", data="user_data:structured", epochs=25),
+        "custom-step": dict(model="user_models:custom_train_step", data="user_data:digits", epochs=5),
+        "two-heads": dict(model="user_models:two_heads", data="user_data:digits_two_heads", epochs=8),
+        "text_vectorized": dict(model="user_models:text_vectorized", data="user_data:reviews", epochs=6, batch_size=16),
+        "text_tf_idf": dict(model="user_models:text_tf_idf", data="user_data:reviews", epochs=6, batch_size=16),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory):
+    """Every run of RUNS, one job per launcher: {run: (its output dir, the job's output)}."""
+    done = {}
+    for launcher, runs in RUNS.items():
+        base = tmp_path_factory.mktemp(f"fits-{launcher}")
+        spec = {str(base / name): keys for name, keys in runs.items()}
+        (base / "spec.json").write_text(json.dumps(spec))
+        proc = launch(2, launcher, [str(ROOT / "tests" / "workers" / "many_fits.py"), str(base / "spec.json")],
+                      timeout=1500)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        done.update({name: (base / name, proc.stdout) for name in runs})
+    return done
+
+
+def _summary(fits, name) -> dict:
+    return json.loads((fits[name][0] / "summary.json").read_text())
 
 
 def _saved(out):
@@ -27,9 +81,8 @@ def _same_weights_on_every_rank(summary):
     return len(summary["weights_sha256_by_rank"]) == 2 and len(set(summary["weights_sha256_by_rank"])) == 1
 
 
-def test_a_model_compiled_for_xla_trains_on_cpu_workers_with_xla_off_and_says_so(out):
-    s = train(2, "mpirun", out, "--model", "user_models:xla_regression", "--data", "user_data:diabetes",
-              "--epochs", "2")
+def test_a_model_compiled_for_xla_trains_on_cpu_workers_with_xla_off_and_says_so(fits):
+    s, out = _summary(fits, "xla"), fits["xla"][0]
     assert "compiled with jit_compile=True: XLA is off" in (out / "logs" / "rank0.log").read_text()
     assert s["model"]["loss"] == "mse (model.compile)" and _same_weights_on_every_rank(s)
 
@@ -70,9 +123,8 @@ def test_a_model_whose_loss_keras_cannot_rebuild_is_saved_uncompiled_and_says_so
     assert getattr(_saved(out), "optimizer", None) is None  # Keras 3 has no attribute until compiled
 
 
-def test_regression_on_diabetes_beats_predicting_the_mean(out):
-    s = train(2, "mpirun", out, "--model", "user_models:regression", "--data", "user_data:diabetes",
-              "--epochs", "30")
+def test_regression_on_diabetes_beats_predicting_the_mean(fits):
+    s = _summary(fits, "regression")
     import user_data
 
     train_y = np.concatenate([y for _, y in user_data.diabetes()[0].batch(512).as_numpy_iterator()])
@@ -83,11 +135,10 @@ def test_regression_on_diabetes_beats_predicting_the_mean(out):
     assert _same_weights_on_every_rank(s)
 
 
-def test_binary_classifier_keeps_the_users_auc_combined_exactly_over_workers(out):
+def test_binary_classifier_keeps_the_users_auc_combined_exactly_over_workers(fits):
     import tensorflow as tf
 
-    s = train(2, "gloo", out, "--model", "user_models:binary", "--data", "user_data:breast_cancer",
-              "--epochs", "6")
+    s, out = _summary(fits, "binary"), fits["binary"][0]
     assert s["model"]["loss"] == "binary_crossentropy (model.compile)"
     assert s["metrics"]["val_auc"] > 0.95
     # The AUC of the whole validation set, not a mean of the two workers' AUCs: a 1-worker evaluation
@@ -107,16 +158,11 @@ def test_binary_classifier_keeps_the_users_auc_combined_exactly_over_workers(out
     assert one["loss"] == pytest.approx(s["metrics"]["val_loss"], rel=1e-5)
 
 
-def test_class_weight_trains_exactly_as_the_same_weights_given_per_sample(tmp_path):
-    """keras.io's imbalanced classification passes fit(class_weight=...): --class-weight trains as the
+def test_class_weight_trains_exactly_as_the_same_weights_given_per_sample(fits):
+    """keras.io's imbalanced classification passes fit(class_weight=...): class_weight trains as the
     data's own per-sample weights do, at 2 workers, and not as unweighted training."""
-    common = ("--model", "user_models:binary", "--epochs", "2", "--seed", "3")
-    s = train(2, "mpirun", tmp_path / "flag", *common, "--data", "user_data:breast_cancer",
-              "--class-weight", "0=3", "1=0.5")
-    assert s["config"]["class_weight"] == {"0": 3.0, "1": 0.5}
-    train(2, "mpirun", tmp_path / "samples", *common, "--data", "user_data:breast_cancer_weighted")
-    train(2, "mpirun", tmp_path / "none", *common, "--data", "user_data:breast_cancer")
-    weights = {run: _saved(tmp_path / run).get_weights() for run in ("flag", "samples", "none")}
+    assert _summary(fits, "class-flag")["config"]["class_weight"] == {"0": 3.0, "1": 0.5}
+    weights = {run: _saved(fits[f"class-{run}"][0]).get_weights() for run in ("flag", "samples", "none")}
 
     def max_diff(a, b):
         return max(float(np.abs(x - y).max()) for x, y in zip(weights[a], weights[b]))
@@ -125,62 +171,47 @@ def test_class_weight_trains_exactly_as_the_same_weights_given_per_sample(tmp_pa
     assert max_diff("flag", "none") > 1e-3
 
 
-def test_one_hot_labels_train_with_categorical_crossentropy(out):
-    s = train(2, "mpirun", out, "--model", "user_models:mnist_convnet", "--data", "user_data:digits_onehot",
-              "--epochs", "4")
+def test_one_hot_labels_train_with_categorical_crossentropy(fits):
+    s = _summary(fits, "one-hot")
     assert s["model"]["loss"] == "categorical_crossentropy (model.compile)"
     assert s["metrics"]["val_accuracy"] > 0.9 and _same_weights_on_every_rank(s)
 
 
-def test_keras_applications_softmax_head_trains_as_its_logits_variant_without_a_warning(tmp_path):
-    runs = {}
-    for head in ("softmax", "logits"):
-        proc = launch(2, "gloo", ["-m", "hvdtrain", "--model", f"user_models:mobilenet_{head}",
-                                  "--data", "user_data:digits_rgb32", "--epochs", "2", "--steps-per-epoch", "6",
-                                  "--output-dir", str(tmp_path / head), "--verbose", "0", "--no-tensorboard"])
-        assert proc.returncode == 0, proc.stdout[-3000:]
-        assert "from_logits" not in proc.stdout, proc.stdout[-3000:]  # Keras' warning names it
-        import json
-
-        runs[head] = json.loads((tmp_path / head / "summary.json").read_text())
+def test_keras_applications_softmax_head_trains_as_its_logits_variant_without_a_warning(fits):
+    runs = {head: _summary(fits, f"mobilenet-{head}") for head in ("softmax", "logits")}
+    output = fits["mobilenet-softmax"][1]  # the job's: no run in it had Keras' warning, which names it
+    assert "from_logits" not in output, output[-3000:]
     assert runs["softmax"]["model"]["loss"] == "sparse categorical crossentropy on softmax output"
     assert runs["logits"]["model"]["loss"].startswith("sparse categorical crossentropy on logits")
     for k in ("loss", "accuracy", "val_accuracy"):
         assert runs["softmax"]["metrics"][k] == pytest.approx(runs["logits"]["metrics"][k], abs=1e-4), k
 
 
-def test_named_inputs_are_fed_from_a_dict_of_features(out):
-    s = train(2, "gloo", out, "--model", "user_models:structured", "--data", "user_data:structured",
-              "--epochs", "25")
+def test_named_inputs_are_fed_from_a_dict_of_features(fits):
+    s = _summary(fits, "named-inputs")
     assert s["metrics"]["val_accuracy"] > 0.85 and _same_weights_on_every_rank(s)
 
 
-def test_the_compiled_optimizer_runs_scaled_and_a_flag_that_replaces_it_says_so(tmp_path):
-    s = train(2, "mpirun", tmp_path / "a", "--model", "user_models:sgd_momentum", "--data", "digits",
-              "--epochs", "2", "--steps-per-epoch", "5")
+def test_the_compiled_optimizer_runs_scaled_and_a_flag_that_replaces_it_says_so(fits):
+    s = _summary(fits, "sgd")
     opt = s["optimizer"]
     assert (opt["class"], opt["source"], opt["config"]["momentum"]) == ("SGD", "model.compile", 0.9)
     assert opt["lr"] == pytest.approx(0.05) and opt["lr_scaled"] == pytest.approx(0.1)
     assert s["metrics"]["lr"] == pytest.approx(0.1)  # after the 1-epoch warm-up, what the steps ran with
-    proc = launch(2, "mpirun", ["-m", "hvdtrain", "--model", "user_models:sgd_momentum", "--data", "digits",
-                                "--epochs", "1", "--steps-per-epoch", "5", "--optimizer", "adam",
-                                "--output-dir", str(tmp_path / "b"), "--verbose", "0"])
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "--optimizer adam replaces the model's compiled SGD" in proc.stdout
+    assert "--optimizer adam replaces the model's compiled SGD" in (fits["sgd-adam"][0] / "logs" / "rank0.log").read_text()
+    assert _summary(fits, "sgd-adam")["optimizer"]["class"] == "Adam"
 
 
-def test_a_custom_train_step_that_applies_its_own_gradients_keeps_every_rank_identical(out):
+def test_a_custom_train_step_that_applies_its_own_gradients_keeps_every_rank_identical(fits):
     """Horovod's DistributedOptimizer allreduces in compute_gradients only: without hvdtrain's fix
     this train_step would update each rank with its own gradients."""
-    s = train(2, "gloo", out, "--model", "user_models:custom_train_step", "--data", "user_data:digits",
-              "--epochs", "5")
+    s = _summary(fits, "custom-step")
     assert _same_weights_on_every_rank(s)
     assert s["metrics"]["val_accuracy"] > 0.85
 
 
-def test_batchnorm_statistics_agree_across_ranks(out):
-    s = train(2, "mpirun", out, "--model", "user_models:small_bn_cnn", "--data", "user_data:digits",
-              "--epochs", "2")
+def test_batchnorm_statistics_agree_across_ranks(fits):
+    s = _summary(fits, "batchnorm")
     assert _same_weights_on_every_rank(s)  # moving mean and variance included
 
 
@@ -193,9 +224,11 @@ def test_what_a_pretrained_base_holds_that_no_step_changes_comes_back_bit_identi
     one float64 copy of a frozen base per rank."""
     import user_models
 
+    # the frozen base's step checkpoint is checked below; the fine-tuned base needs an epoch's end alone
+    steps = ("--steps-per-epoch", "6", "--checkpoint-every-steps", "4", "--steps-per-execution", "2") \
+        if builder == "frozen_mobilenet" else ("--steps-per-epoch", "2", "--checkpoint-every-steps", "0")
     s = train(3, "mpirun", tmp_path, "--model", f"user_models:{builder}", "--data", "user_data:digits_rgb32",
-              "--epochs", "1", "--steps-per-epoch", "6", "--checkpoint-every-steps", "4",
-              "--steps-per-execution", "2", timeout=600)  # Keras 3 saves at a call's end: 2 divides 4
+              "--epochs", "1", *steps, timeout=600)  # Keras 3 saves at a call's end: 2 divides 4
     assert len(s["weights_sha256_by_rank"]) == 3 and len(set(s["weights_sha256_by_rank"])) == 1
     built, trained = getattr(user_models, builder)().layers[1], _saved(tmp_path).layers[1]
     assert len(built.non_trainable_weights) >= 100  # 104 BatchNorm statistics, or the whole base
@@ -268,9 +301,8 @@ def test_the_python_api_script_trains_under_horovodrun_and_plain_python(launcher
     assert (tmp_path / "checkpoints" / "checkpoint").exists() and (tmp_path / "model.keras").exists()
 
 
-def test_several_outputs_keep_their_dict_losses_weights_and_metrics(out):
-    s = train(2, "gloo", out, "--model", "user_models:two_heads", "--data", "user_data:digits_two_heads",
-              "--epochs", "8")
+def test_several_outputs_keep_their_dict_losses_weights_and_metrics(fits):
+    s = _summary(fits, "two-heads")
     m = s["metrics"]
     assert {"digit_loss", "odd_loss", "digit_accuracy", "odd_auc", "val_digit_accuracy", "val_odd_auc"} <= set(m)
     assert m["loss"] == pytest.approx(m["digit_loss"] + 0.5 * m["odd_loss"], rel=1e-3)  # the user's loss_weights
@@ -278,21 +310,19 @@ def test_several_outputs_keep_their_dict_losses_weights_and_metrics(out):
     assert _same_weights_on_every_rank(s)
 
 
-def test_multi_label_targets_train_with_the_users_binary_crossentropy(out):
-    s = train(2, "mpirun", out, "--model", "user_models:multi_label", "--data", "user_data:digits_multi_label",
-              "--epochs", "8")
+def test_multi_label_targets_train_with_the_users_binary_crossentropy(fits):
+    s = _summary(fits, "multi-label")
     assert s["model"]["loss"] == "binary_crossentropy (model.compile)"
     assert s["metrics"]["val_bin_acc"] > 0.85, s["metrics"]
     assert _same_weights_on_every_rank(s)
 
 
 @pytest.mark.parametrize("model", ["text_vectorized", "text_tf_idf"])
-def test_a_text_model_with_textvectorization_trains_with_rank0s_vocabulary_on_every_rank(out, model):
+def test_a_text_model_with_textvectorization_trains_with_rank0s_vocabulary_on_every_rank(fits, model):
     """keras.io's text classifiers: a lookup table is not a variable (the broadcast, BatchNorm averaging
     and checkpoints used to stop at it), each rank's adapt() may order ties differently, and in "tf_idf"
     mode the vocabulary comes with its IDF weights (Keras refuses it without them)."""
-    s = train(2, "gloo", out, "--model", f"user_models:{model}", "--data", "user_data:reviews",
-              "--epochs", "6", "--batch-size", "16")
+    s, out = _summary(fits, model), fits[model][0]
     assert _same_weights_on_every_rank(s)  # the vocabulary is among the weights
     assert s["metrics"]["val_accuracy"] > 0.9, s["metrics"]
     assert (out / "model.keras").is_file()

@@ -261,13 +261,21 @@ def same_on_every_rank(decisions: dict, where: str):
     collectives that never meet. One gather; a difference is one UserError, the same on every rank."""
     if _world.size == 1 or _alone:
         return
-    got = gather({k: repr(v) for k, v in decisions.items()})
+    got = gather({k: v if isinstance(v, list) else repr(v) for k, v in decisions.items()})
     differ = [k for k in decisions if len({repr(g.get(k)) for g in got}) > 1]
     if differ:
+        def shown(k, value):
+            """A list (a model's variables) is shown from its first item that differs between ranks."""
+            if not isinstance(value, list):
+                return value
+            lists = [g.get(k) or [] for g in got]
+            at = next(i for i in range(max(map(len, lists)) + 1) if len({repr(l[i:i + 1]) for l in lists}) > 1)
+            return f"{len(value)} in all, #{at + 1} {value[at] if at < len(value) else 'none'}"
+
         def values(k):
             by_value: dict = {}
             for r, g in enumerate(got):
-                by_value.setdefault(g.get(k), []).append(r)
+                by_value.setdefault(shown(k, g.get(k)), []).append(r)
             return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}"
                              for v, rs in by_value.items())
 

@@ -26,8 +26,14 @@ class Branching(keras.Model):
         super().__init__()
         self.hidden = keras.layers.Dense(16, activation="relu")
         self.head = keras.layers.Dense(10)
+        # built here, outside the branch: the same variables on every rank (Keras 2 would name rank 1's
+        # under its scope, and the ranks' weights would differ, which hvdtrain refuses before training)
+        self.hidden.build((None, 8))
+        self.head.build((None, 16))
 
     def call(self, x):
+        if world.rank == 1 and os.environ.get("APART") == "frozen":  # rank 1 trains the head alone
+            return self.head(tf.stop_gradient(self.hidden(x)))
         if world.rank == 1:  # a branch on the rank: this rank's ops, and its gradients, have other names
             with tf.name_scope("only_on_rank_1"):
                 return self.head(self.hidden(x))

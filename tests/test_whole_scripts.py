@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jobs import KERAS3, error_lines, launch, run_worker_script, train
 
-pytestmark = pytest.mark.stacks
+# The second stack's pass (marker `stacks`) runs one script per habit: two phases, callbacks, the
+# keras.io script, a Sequence, a second fit; the kill-and-relaunch variants run on the default stack
 
 
 def max_diff(a: str, b: str) -> float:
@@ -28,6 +29,7 @@ def two_phases(tmp_path_factory):
     return {**run_worker_script(2, "gloo", "transfer_learning.py", "hvdtrain", out), "out": out}
 
 
+@pytest.mark.stacks
 def test_fine_tuning_after_transfer_learning_trains_at_its_own_compiled_lr_as_plain_keras(
         plain_two_phases, two_phases):
     """Phase 2 recompiles with Adam(1e-4): it trains at 2e-4 (two workers), not phase 1's 2e-3, and
@@ -46,7 +48,8 @@ def test_fine_tuning_in_its_own_output_dir_ends_with_the_same_weights(two_phases
     assert (tmp_path / "two" / "summary.json").exists() and not (tmp_path / "one" / "fit-2").exists()
 
 
-@pytest.mark.parametrize("kill,launcher", [("phase1", "gloo"), ("between", "mpirun"), ("phase2", "gloo")])
+@pytest.mark.parametrize("kill,launcher", [("phase1", "gloo"), pytest.param("between", "mpirun", marks=pytest.mark.stacks),
+                                         ("phase2", "gloo")])
 def test_a_two_phase_script_killed_and_relaunched_ends_with_the_uninterrupted_weights(kill, launcher, two_phases,
                                                                                       tmp_path):
     """SIGKILL on every rank inside phase 1, between the phases, or inside phase 2; the same command
@@ -87,6 +90,7 @@ def with_callbacks(tmp_path_factory):
     return plain, ours, plain_dir, our_dir
 
 
+@pytest.mark.stacks
 def test_reduce_lr_on_plateau_changes_the_rate_that_trains_as_in_plain_keras(with_callbacks):
     """ReduceLROnPlateau halves the rate after epochs 2 and 3 on both; hvdtrain's per-step rate
     follows it, so the weights end as plain Keras' on the global batch; summary.json's history
@@ -98,11 +102,13 @@ def test_reduce_lr_on_plateau_changes_the_rate_that_trains_as_in_plain_keras(wit
     assert max_diff(ours["weights"], plain["weights"]) < 1e-5
 
 
+@pytest.mark.stacks
 def test_a_per_batch_callback_sees_every_batch(with_callbacks):
     plain, ours, _, _ = with_callbacks
     assert plain["batches"] == ours["batches"] == 4 * 20  # hvdtrain's rank 0: its own 20 steps an epoch
 
 
+@pytest.mark.stacks
 def test_file_writing_callbacks_write_once_from_rank_0(with_callbacks):
     """CSVLogger: one file, every epoch once; ModelCheckpoint(save_best_only): the same epochs' files
     as plain Keras; the user's own writer marked hvdtrain.on_rank0: a line per epoch, not two."""
@@ -114,6 +120,7 @@ def test_file_writing_callbacks_write_once_from_rank_0(with_callbacks):
     assert [l.split()[0] for l in (our_dir / "epochs.txt").read_text().splitlines()] == ["1", "2", "3", "4"]
 
 
+@pytest.mark.stacks
 def test_backup_and_restore_is_refused_with_what_hvdtrain_does_instead():
     import hvdtrain
     import tensorflow as tf
@@ -131,6 +138,7 @@ def test_callbacks_from_the_command_line_decide_alike_on_every_rank(out):
     assert summary["epochs_run"] == 2 and len(set(summary["weights_sha256_by_rank"])) == 1
 
 
+@pytest.mark.stacks
 def test_the_keras_io_script_with_rank_0_only_callbacks_trains_as_in_plain_keras(tmp_path):
     """keras.io's script as users write it: ModelCheckpoint and CSVLogger (rank 0 alone runs them; the
     checkpoint has batch hooks, for save_freq) and no per-batch callback of the user's on the other rank.
@@ -157,6 +165,7 @@ def test_the_keras_io_script_with_rank_0_only_callbacks_trains_as_in_plain_keras
 
 # ---------------------------------------------------------------- a keras.utils.Sequence
 
+@pytest.mark.stacks
 def test_a_sequence_gives_each_worker_its_own_batches_and_ends_its_epochs_as_in_plain_keras(tmp_path):
     """2 workers x batches of 32 by index equal plain Keras' batches of 64 from the same Sequence,
     which reshuffles its samples in on_epoch_end: the weights match only if every batch is taken by
@@ -213,6 +222,7 @@ def test_validation_of_unknown_size_is_read_to_its_end_without_a_running_out_war
     assert "ran out of data" not in proc.stdout
 
 
+@pytest.mark.stacks
 def test_a_second_fit_without_adasum_runs_the_models_own_step_again(tmp_path):
     """Keras 2's Adasum replaces Keras' step with one through Horovod's DistributedGradientTape; the
     next fit() of the same model, without --reduction adasum, wraps the model's own step again."""

@@ -11,7 +11,8 @@ import pytest
 
 from jobs import KERAS3, ROOT, launch, run_worker_script, train
 
-pytestmark = pytest.mark.stacks  # the user model contract: run on both stacks
+# The user model contract. The second stack's pass (marker `stacks`) runs the models of the one job
+# (`fits`) and the checks in-process: what Keras 2 does otherwise is the model's step, not its size
 
 # hvdtrain.fit's keys of each run, by launcher: one job each
 RUNS = {
@@ -81,6 +82,7 @@ def _same_weights_on_every_rank(summary):
     return len(summary["weights_sha256_by_rank"]) == 2 and len(set(summary["weights_sha256_by_rank"])) == 1
 
 
+@pytest.mark.stacks
 def test_a_model_compiled_for_xla_trains_on_cpu_workers_with_xla_off_and_says_so(fits):
     s, out = _summary(fits, "xla"), fits["xla"][0]
     assert "compiled with jit_compile=True: XLA is off" in (out / "logs" / "rank0.log").read_text()
@@ -101,6 +103,7 @@ def test_a_model_compiled_with_steps_per_execution_auto_trains_with_the_default_
     (None, None, False, 10), (None, None, True, 1), (None, 3, False, 3), (None, 1, False, 1), (5, 3, False, 5),
     (None, 3, True, 3)], ids=["default", "elastic", "compiled", "compiled-one", "flag-wins", "elastic-compiled"])
 # Keras 3's compile writes its default, 1, which cannot be told from asking for 1: hvdtrain's default wins
+@pytest.mark.stacks
 def test_steps_per_execution_is_the_flag_else_the_users_compile_else_ten_or_one_under_elastic(
         flag, compiled, elastic, trains_with):
     import user_models
@@ -117,12 +120,14 @@ def test_steps_per_execution_is_the_flag_else_the_users_compile_else_ten_or_one_
     assert plan.kwargs["steps_per_execution"] == (trains_with if KERAS3 else flag or compiled)
 
 
+@pytest.mark.stacks
 def test_a_model_whose_loss_keras_cannot_rebuild_is_saved_uncompiled_and_says_so(out):
     train(1, None, out, "--model", "user_models:lambda_loss", "--data", "user_data:diabetes", "--epochs", "1")
     assert "model.keras is saved without its compile state" in (out / "logs" / "rank0.log").read_text()
     assert getattr(_saved(out), "optimizer", None) is None  # Keras 3 has no attribute until compiled
 
 
+@pytest.mark.stacks
 def test_regression_on_diabetes_beats_predicting_the_mean(fits):
     s = _summary(fits, "regression")
     import user_data
@@ -135,6 +140,7 @@ def test_regression_on_diabetes_beats_predicting_the_mean(fits):
     assert _same_weights_on_every_rank(s)
 
 
+@pytest.mark.stacks
 def test_binary_classifier_keeps_the_users_auc_combined_exactly_over_workers(fits):
     import tensorflow as tf
 
@@ -158,6 +164,7 @@ def test_binary_classifier_keeps_the_users_auc_combined_exactly_over_workers(fit
     assert one["loss"] == pytest.approx(s["metrics"]["val_loss"], rel=1e-5)
 
 
+@pytest.mark.stacks
 def test_class_weight_trains_exactly_as_the_same_weights_given_per_sample(fits):
     """keras.io's imbalanced classification passes fit(class_weight=...): class_weight trains as the
     data's own per-sample weights do, at 2 workers, and not as unweighted training."""
@@ -171,12 +178,14 @@ def test_class_weight_trains_exactly_as_the_same_weights_given_per_sample(fits):
     assert max_diff("flag", "none") > 1e-3
 
 
+@pytest.mark.stacks
 def test_one_hot_labels_train_with_categorical_crossentropy(fits):
     s = _summary(fits, "one-hot")
     assert s["model"]["loss"] == "categorical_crossentropy (model.compile)"
     assert s["metrics"]["val_accuracy"] > 0.9 and _same_weights_on_every_rank(s)
 
 
+@pytest.mark.stacks
 def test_keras_applications_softmax_head_trains_as_its_logits_variant_without_a_warning(fits):
     runs = {head: _summary(fits, f"mobilenet-{head}") for head in ("softmax", "logits")}
     output = fits["mobilenet-softmax"][1]  # the job's: no run in it had Keras' warning, which names it
@@ -187,11 +196,13 @@ def test_keras_applications_softmax_head_trains_as_its_logits_variant_without_a_
         assert runs["softmax"]["metrics"][k] == pytest.approx(runs["logits"]["metrics"][k], abs=1e-4), k
 
 
+@pytest.mark.stacks
 def test_named_inputs_are_fed_from_a_dict_of_features(fits):
     s = _summary(fits, "named-inputs")
     assert s["metrics"]["val_accuracy"] > 0.85 and _same_weights_on_every_rank(s)
 
 
+@pytest.mark.stacks
 def test_the_compiled_optimizer_runs_scaled_and_a_flag_that_replaces_it_says_so(fits):
     s = _summary(fits, "sgd")
     opt = s["optimizer"]
@@ -202,6 +213,7 @@ def test_the_compiled_optimizer_runs_scaled_and_a_flag_that_replaces_it_says_so(
     assert _summary(fits, "sgd-adam")["optimizer"]["class"] == "Adam"
 
 
+@pytest.mark.stacks
 def test_a_custom_train_step_that_applies_its_own_gradients_keeps_every_rank_identical(fits):
     """Horovod's DistributedOptimizer allreduces in compute_gradients only: without hvdtrain's fix
     this train_step would update each rank with its own gradients."""
@@ -210,6 +222,7 @@ def test_a_custom_train_step_that_applies_its_own_gradients_keeps_every_rank_ide
     assert s["metrics"]["val_accuracy"] > 0.85
 
 
+@pytest.mark.stacks
 def test_batchnorm_statistics_agree_across_ranks(fits):
     s = _summary(fits, "batchnorm")
     assert _same_weights_on_every_rank(s)  # moving mean and variance included
@@ -279,6 +292,7 @@ def test_a_user_compiled_model_at_two_workers_equals_one_worker_with_twice_the_b
     assert max_diff("two", "unscaled") > 1e-3  # the comparison can tell a different update apart
 
 
+@pytest.mark.stacks
 def test_keras_fit_arguments_that_hvdtrain_does_not_take_say_what_to_use_instead():
     import hvdtrain
     from hvdtrain.config import UserError
@@ -287,7 +301,7 @@ def test_keras_fit_arguments_that_hvdtrain_does_not_take_say_what_to_use_instead
         hvdtrain.fit("mlp", "digits", validation_split=0.2)
 
 
-@pytest.mark.parametrize("launcher", ["gloo", None])
+@pytest.mark.parametrize("launcher", ["gloo", pytest.param(None, marks=pytest.mark.stacks)])
 def test_the_python_api_script_trains_under_horovodrun_and_plain_python(launcher, tmp_path):
     import json
 
@@ -301,6 +315,7 @@ def test_the_python_api_script_trains_under_horovodrun_and_plain_python(launcher
     assert (tmp_path / "checkpoints" / "checkpoint").exists() and (tmp_path / "model.keras").exists()
 
 
+@pytest.mark.stacks
 def test_several_outputs_keep_their_dict_losses_weights_and_metrics(fits):
     s = _summary(fits, "two-heads")
     m = s["metrics"]
@@ -310,6 +325,7 @@ def test_several_outputs_keep_their_dict_losses_weights_and_metrics(fits):
     assert _same_weights_on_every_rank(s)
 
 
+@pytest.mark.stacks
 def test_multi_label_targets_train_with_the_users_binary_crossentropy(fits):
     s = _summary(fits, "multi-label")
     assert s["model"]["loss"] == "binary_crossentropy (model.compile)"
@@ -317,6 +333,7 @@ def test_multi_label_targets_train_with_the_users_binary_crossentropy(fits):
     assert _same_weights_on_every_rank(s)
 
 
+@pytest.mark.stacks
 @pytest.mark.parametrize("model", ["text_vectorized", "text_tf_idf"])
 def test_a_text_model_with_textvectorization_trains_with_rank0s_vocabulary_on_every_rank(fits, model):
     """keras.io's text classifiers: a lookup table is not a variable (the broadcast, BatchNorm averaging
@@ -328,6 +345,7 @@ def test_a_text_model_with_textvectorization_trains_with_rank0s_vocabulary_on_ev
     assert (out / "model.keras").is_file()
 
 
+@pytest.mark.stacks
 def test_runtime_settings_given_to_fit_after_init_are_refused_and_the_rest_apply(tmp_path):
     """hvd.init() reads the threads and Horovod's knobs once: fit(threads=...) after hvdtrain.init() says
     so in one line instead of dropping them; the same value, or a training setting, goes through."""

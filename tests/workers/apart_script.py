@@ -5,7 +5,7 @@ given, and the two ranks' allreduces never meet. Run under a launcher:
     apart_script.py OUT [FLAGS...]      hvdtrain.init()/fit(), FLAGS as hvdtrain.fit keys (k=v)
 
 RANK_SETTINGS=1 instead gives each rank its own steps_per_execution (a setting decided on one
-rank's view), which hvdtrain refuses before training.
+rank's view), and RANK_MODEL=1 rank 1 a wider layer: hvdtrain refuses both before training.
 """
 import os
 import sys
@@ -24,12 +24,14 @@ keras = tf.keras
 class Branching(keras.Model):
     def __init__(self):
         super().__init__()
-        self.hidden = keras.layers.Dense(16, activation="relu")
+        # RANK_MODEL=1: rank 1 builds a wider hidden layer (a model decided on the rank's view)
+        width = 17 if os.environ.get("RANK_MODEL") and world.rank == 1 else 16
+        self.hidden = keras.layers.Dense(width, activation="relu")
         self.head = keras.layers.Dense(10)
         # built here, outside the branch: the same variables on every rank (Keras 2 would name rank 1's
         # under its scope, and the ranks' weights would differ, which hvdtrain refuses before training)
         self.hidden.build((None, 8))
-        self.head.build((None, 16))
+        self.head.build((None, width))
 
     def call(self, x):
         if world.rank == 1 and os.environ.get("APART") == "frozen":  # rank 1 trains the head alone

@@ -283,10 +283,14 @@ def broadcast_initial_state(model, root_rank: int = 0):
 
     build(model)
     if hvd.size() > 1:
-        # Horovod pairs each rank's broadcasts by the variables' names: a rank that built its model
-        # otherwise (a branch on the rank under a name scope) would wait forever for tensors never sent
-        runtime.same_on_every_rank({"the model's variables": [f"{getattr(v, 'path', v.name)} {tuple(v.shape)}" for v in model.variables]},
-                                   f"{model.name}'s weights, before rank {root_rank} broadcasts them")
+        # Horovod broadcasts the variables one by one, in order: a rank that built its model otherwise
+        # (a branch on the rank) would send other shapes, or wait for tensors never sent. Keras 2's
+        # broadcast also pairs them by name (a layer built under a rank's name scope hung it); Keras 3
+        # numbers layers per process, and its ranks trained with names that differ
+        runtime.same_on_every_rank(
+            {"the model's variables": [f"{v.dtype.name} {tuple(v.shape)}" + ("" if compat.keras3() else f" {v.name}")
+                                       for v in compat.tf_variables(model.variables)]},
+            f"{model.name}'s weights, before rank {root_rank} broadcasts them")
         # model.variables also lists lookup tables' handlers (TextVectorization, StringLookup): not
         # variables. Each rank adapted its own table, maybe on data in another order (a vocabulary's
         # ties then fall differently): rank 0's vocabularies go to every rank, so a token has one id.

@@ -90,7 +90,7 @@ ALSO_ALONE = ("unknown model", "malformed yaml", "data smaller than one global b
 
 @pytest.mark.parametrize("case,np_,launcher", [
     pytest.param(c, np_, launcher, id=f"{c}-{np_}-worker{'s' if np_ > 1 else ''}",
-                 marks=[pytest.mark.stacks] if c in KERAS_SAYS else [])
+                 marks=[pytest.mark.stacks] if c in KERAS_SAYS and np_ == 2 else [])
     for c in CASES for np_, launcher in ((1, None), (2, "gloo")) if np_ == 2 or c in ALSO_ALONE])
 def test_bad_input_fails_fast_with_one_clear_line(case, np_, launcher, yaml_files, tmp_path):
     flags, message = CASES[case]

@@ -69,7 +69,6 @@ def _workers_launched_as(rank, out):
     return found
 
 
-@pytest.mark.stacks
 @pytest.mark.alone  # hosts join and leave on a clock
 def test_elastic_job_takes_in_a_new_host_loses_a_worker_and_still_finishes_every_epoch(tmp_path):
     third = _local_alias()

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from jobs import KERAS3, error_lines, launch, run_worker_script, train
 
-# The second stack's pass (marker `stacks`) runs one script per habit: two phases, callbacks, the
-# keras.io script, a Sequence, a second fit; the kill-and-relaunch variants run on the default stack
+# The second stack's pass (marker `stacks`) runs one script per habit: two phases, the keras.io script
+# (its callbacks), a Sequence, a second fit; the kill-and-relaunch variants and the callbacks script
+# (the keras.io script's callbacks, and a per-batch one) run on the default stack
 
 
 def max_diff(a: str, b: str) -> float:
@@ -90,7 +91,6 @@ def with_callbacks(tmp_path_factory):
     return plain, ours, plain_dir, our_dir
 
 
-@pytest.mark.stacks
 def test_reduce_lr_on_plateau_changes_the_rate_that_trains_as_in_plain_keras(with_callbacks):
     """ReduceLROnPlateau halves the rate after epochs 2 and 3 on both; hvdtrain's per-step rate
     follows it, so the weights end as plain Keras' on the global batch; summary.json's history
@@ -102,13 +102,11 @@ def test_reduce_lr_on_plateau_changes_the_rate_that_trains_as_in_plain_keras(wit
     assert max_diff(ours["weights"], plain["weights"]) < 1e-5
 
 
-@pytest.mark.stacks
 def test_a_per_batch_callback_sees_every_batch(with_callbacks):
     plain, ours, _, _ = with_callbacks
     assert plain["batches"] == ours["batches"] == 4 * 20  # hvdtrain's rank 0: its own 20 steps an epoch
 
 
-@pytest.mark.stacks
 def test_file_writing_callbacks_write_once_from_rank_0(with_callbacks):
     """CSVLogger: one file, every epoch once; ModelCheckpoint(save_best_only): the same epochs' files
     as plain Keras; the user's own writer marked hvdtrain.on_rank0: a line per epoch, not two."""

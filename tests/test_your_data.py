@@ -10,8 +10,8 @@ import pytest
 
 from jobs import error_lines, launch, train
 
-# The user data contract. The second stack's pass (marker `stacks`) runs one case per kind of input
-# Keras 2 adapts otherwise (records, pre-batched, repeating, generator); sharding itself is TensorFlow's
+# The user data contract. The second stack's pass (marker `stacks`) runs the inputs Keras 2 adapts
+# otherwise (a pre-batched and a repeating pipeline); reading and sharding are TensorFlow's, the same on both
 
 SGD_MODEL = ("--model", "user_models:sgd_momentum")  # takes (8, 8, 1) digits; needs no num_classes
 
@@ -38,7 +38,6 @@ def _errors(proc):
     return error_lines(proc.stdout)
 
 
-@pytest.mark.stacks
 def test_own_tfrecord_schema_is_sharded_by_file_and_each_record_read_once_per_epoch(tmp_path):
     reads = tmp_path / "reads"
     reads.mkdir()
@@ -140,7 +139,6 @@ def test_a_repeating_pipeline_trains_with_steps_per_epoch_and_is_a_clear_error_w
     assert s["steps_per_epoch"] == 12 and s["epochs_run"] == 3 and s["metrics"]["accuracy"] > 0.7
 
 
-@pytest.mark.stacks
 def test_a_generator_pipeline_is_counted_on_each_shard_and_trains(out):
     s = train(2, "gloo", out, *SGD_MODEL, "--data", "user_data:digits_generator", "--epochs", "3")
     assert s["data"] == {"sharding": "element", "samples": 1400, "validation": False}

@@ -178,14 +178,19 @@ def levers(args, out: Path) -> dict:
 def _side_by_side(n: int, run_dir: Path, flags, timeout) -> float:
     """N x the samples/s of one worker timed while n-1 copies of it train beside it, with no allreduce
     between them: what sharing the cores and memory costs a step before any communication. The copies
-    start with it and run until it ends, so they are training throughout its timed epoch (each prints a
-    line per epoch to copy-I.out)."""
+    start first, and it starts once each has ended an epoch (each prints a line per epoch to
+    copy-I.out): they train throughout its timed epoch, however slowly a loaded machine starts them."""
     run_dir.mkdir(parents=True, exist_ok=True)
     outs = [(run_dir / f"copy-{i}.out").open("w") for i in range(n - 1)]
     copies = [subprocess.Popen([launch.PY, "-m", "hvdtrain", "--output-dir", str(run_dir / f"copy-{i}"), "--no-auto-resume",
                                 *flags, "--epochs", "100000", "--checkpoint-every-steps", "0", "--verbose", "2"],
                                env=launch.env(), stdout=o, stderr=subprocess.STDOUT) for i, o in enumerate(outs)]
     try:
+        deadline = time.monotonic() + timeout
+        while not all("hvdtrain: epoch 1/" in (run_dir / f"copy-{i}.out").read_text() for i in range(n - 1)):
+            if any(c.poll() is not None for c in copies) or time.monotonic() > deadline:
+                raise UserError(f"bench: side-by-side: a copy did not train (see {run_dir}/copy-*.out)")
+            time.sleep(0.5)
         return n * launch.train([launch.PY], run_dir, flags, timeout)["samples_per_sec_total"]
     finally:
         for copy, o in zip(copies, outs):

@@ -121,12 +121,17 @@ def levers(res, text, out):
         assert "hvdtrain: epoch 3/100000" in copy and not (side / "copy-0" / "summary.json").exists(), copy
 
 
+def _mlp_epoch(a) -> int:
+    """The MLP's steps an epoch: --epoch-steps mlp=N (at most 11 at the smallest sizes), else its size x --steps."""
+    return (a.get("epoch_steps") or {}).get("mlp") or MLP_STEPS * a["steps"]
+
+
 def recipe(res, text, out):
     a, r = res["args"], res["recipe"]
     assert r["workers"] == max(a["workers"]) and r["controller"] == _controller(a)
     assert [row["model"] for row in r["rows"]] == a["checkpoint_models"] == ["mlp"]
     for row in r["rows"]:
-        assert row["steps_per_epoch"] == MLP_STEPS * a["steps"]
+        assert row["steps_per_epoch"] == _mlp_epoch(a)
         runs, first = row["samples_per_sec"], row["first_epoch_s"]
         assert all(len(v) == a["repeats"] and min(v) > 0 for v in (*runs.values(), *first.values()))
         assert row["ratios"] == [x / y for x, y in zip(runs["hvdtrain"], runs["recipe"])]
@@ -152,7 +157,7 @@ def checkpoint(res, text, out):
     assert c["every"] == 1000 and c["workers"] == max(a["workers"]) and 0 <= c["hook_s"] < 0.01
     assert [row["model"] for row in c["rows"]] == a["checkpoint_models"] == ["mlp"]
     for row in c["rows"]:
-        assert row["image_size"] == 8 and row["steps_per_epoch"] == MLP_STEPS * a["steps"]
+        assert row["image_size"] == 8 and row["steps_per_epoch"] == _mlp_epoch(a)
         assert row["on_off_ratios"] == [x / y for x, y in zip(row["samples_per_sec"]["on"], row["samples_per_sec"]["off"])]
         assert len(row["on_off_ratios"]) == a["repeats"] and min(row["on_off_ratios"]) > 0
         assert len(row["save_s"]) == 2 * 2 * a["repeats"] and min(row["save_s"]) > 0  # each run: 2 epoch ends

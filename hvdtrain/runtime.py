@@ -264,18 +264,14 @@ def same_on_every_rank(decisions: dict, where: str):
     got = gather({k: v if isinstance(v, list) else repr(v) for k, v in decisions.items()})
     differ = [k for k in decisions if len({repr(g.get(k)) for g in got}) > 1]
     if differ:
-        def shown(k, value):
-            """A list (a model's variables) is shown from its first item that differs between ranks."""
-            if not isinstance(value, list):
-                return value
-            lists = [g.get(k) or [] for g in got]
-            at = next(i for i in range(max(map(len, lists)) + 1) if len({repr(l[i:i + 1]) for l in lists}) > 1)
-            return f"{len(value)} in all, #{at + 1} {value[at] if at < len(value) else 'none'}"
-
         def values(k):
+            shown = [g.get(k) for g in got]
+            if isinstance(decisions[k], list):  # a model's variables: from the first item that differs
+                at = next(i for i in range(max(map(len, shown)) + 1) if len({repr(l[i:i + 1]) for l in shown}) > 1)
+                shown = [f"{len(l)} in all, #{at + 1} {l[at] if at < len(l) else 'none'}" for l in shown]
             by_value: dict = {}
-            for r, g in enumerate(got):
-                by_value.setdefault(shown(k, g.get(k)), []).append(r)
+            for r, v in enumerate(shown):
+                by_value.setdefault(v, []).append(r)
             return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}"
                              for v, rs in by_value.items())
 

@@ -189,8 +189,8 @@ def _progress_class(cfg, data, world_size: int):
                         f"{_fmt(metrics)} | {how}")
                 if self.tty:
                     print("\r" + line[:160].ljust(120), end="", flush=True)
-                else:
-                    print(f"hvdtrain: {line}", flush=True)
+                else:  # the line and its newline in one write: horovodrun prefixes what each read brings
+                    print(f"hvdtrain: {line}\n", end="", flush=True)
 
         def pause(self):
             if self.every:
@@ -204,8 +204,8 @@ def _progress_class(cfg, data, world_size: int):
             eta = (cfg.epochs - epoch - 1) * (time.perf_counter() - self.started) / self.epochs_done
             line = (f"epoch {epoch + 1}/{cfg.epochs} {_fmt(logs)} | {rate:,.0f} samples/s | "
                     f"{seconds:.1f} s | ETA {_clock(eta)}")
-            print(("\r" + " " * 120 + "\r" if self.tty and self.every else "") + f"hvdtrain: {line}",
-                  flush=True)
+            print(("\r" + " " * 120 + "\r" if self.tty and self.every else "") + f"hvdtrain: {line}\n",
+                  end="", flush=True)
 
         def on_train_end(self, logs=None):
             self.stop.set()

@@ -14,6 +14,7 @@ STARTS = ("python ", "horovodrun ", "mpirun ", "scripts/", ".venv/bin/", "HVDTRA
 # Commands not run here, each with the reason (every other command in the docs is run)
 NOT_RUN = {
     "scripts/test.sh": "it is the command that runs this test (CI runs it through .ci/run)",
+    "scripts/test-full.sh": "the full tier, which runs this test (see docs/testing.md)",
     "HVDTRAIN_SOAK_JOBS=30 scripts/test.sh -m soak": "the soak group itself, run by scripts/test.sh",
     "scripts/docker_up.sh": "the docker group (tests/test_docker.py) runs the compose cluster",
     "scripts/docker_base.sh": "the docker group (tests/test_docker.py) builds the base image",

@@ -3,6 +3,7 @@
 command's own flags (bench.json keeps them); two rounds of the sections that pair figures round by
 round; the bench from an installed wheel; a command refused before anything runs. Timings are not
 asserted: they belong to the benchmark, not to a test."""
+import hashlib
 import importlib.util
 import json
 import re
@@ -270,10 +271,6 @@ WHERE = {}  # each bench command of the docs, with every place that writes it (t
 for where, cmd in all_commands():
     if is_bench(cmd):
         WHERE.setdefault(cmd, []).append(where)
-DOCS = [pytest.param(cmd, id="+".join(where), marks=[pytest.mark.stacks] if "sync-vs-async" in cmd else [])
-        for cmd, where in WHERE.items()]
-
-
 def _runs_again(cmd: str):
     """Another docs command that runs every section `cmd` names (or the same ones, later in the docs),
     with the same controller, which at HVDTRAIN_BENCH_SMALL's sizes (one round, the MLP, 2 workers) is
@@ -290,6 +287,23 @@ def _runs_again(cmd: str):
         if other != cmd and (mine < theirs or mine == theirs and later) and controller(other) == controller(cmd):
             return other
     return None
+
+
+def _id(cmd: str) -> str:
+    """The pages that write a command, and a hash of the command: a line that moves on its page is the
+    same test (tests/tiers.py records the full tier's tests by their ids)."""
+    pages = dict.fromkeys(where.split(":")[0].split("/")[-1] for where in WHERE[cmd])
+    return "+".join(pages) + "-" + hashlib.sha1(cmd.encode()).hexdigest()[:8]
+
+
+def _tier(cmd: str) -> list:
+    """The gate runs the command that runs the recipe section for real (hvdtrain against Horovod's own
+    Keras recipe); the full tier the others."""
+    return [] if "recipe" in _named(cmd) and _runs_again(cmd) is None else [pytest.mark.full]
+
+
+DOCS = [pytest.param(cmd, id=_id(cmd), marks=([pytest.mark.stacks] if "sync-vs-async" in cmd else []) + _tier(cmd))
+        for cmd in WHERE]
 
 
 def test_the_docs_name_every_section_in_a_bench_command():
@@ -313,6 +327,7 @@ def test_a_bench_command_of_the_docs_runs_as_written_and_each_section_reports_wh
     _checked(tmp_path / "bench", proc.stdout, _named(cmd))
 
 
+@pytest.mark.full
 def test_each_round_is_kept_and_each_figure_is_paired_with_its_own_round(tmp_path):
     """Two rounds of the levers (the docs' commands run one at small sizes): each round's one worker and
     defaults against that round's levers; and the levers no docs command names for the MLP: its copies
@@ -332,6 +347,7 @@ def test_each_round_is_kept_and_each_figure_is_paired_with_its_own_round(tmp_pat
 
 # ---------------------------------------------------------------- installed, and refused
 
+@pytest.mark.full
 def test_an_installed_hvdtrain_runs_the_bench_without_the_repository(tmp_path):
     """`pip install .` (a wheel, not editable) into a fresh venv, run from elsewhere: the bench is part of
     the package, with its own user pipeline (the startup section), and nothing of examples/ or tests/;

@@ -108,6 +108,7 @@ def test_each_value_is_read_by_its_fields_type(values, message):
         config.from_dict(values)
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 @pytest.mark.alone  # it pip-installs into the venv every other test imports from
 def test_a_users_pip_install_pandas_into_the_venv_keeps_the_stack_working():

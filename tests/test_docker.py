@@ -14,7 +14,7 @@ import pytest
 
 from jobs import ROOT, run
 
-pytestmark = [pytest.mark.docker, pytest.mark.alone]
+pytestmark = [pytest.mark.docker, pytest.mark.alone, pytest.mark.full]
 
 IMAGE = os.environ.get("HVDTRAIN_IMAGE", "hvdtrain:cpu")
 PROJECT = "hvdtraintest"

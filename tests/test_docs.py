@@ -1,7 +1,7 @@
 """Every command of the README and docs/ runs as written on this machine, at small sizes. The commands
 are read from the files (tests/doc_commands.py), so an edited command is the command tested; those
 naming host1/host2 run on the netns hosts in tests/test_multihost.py, the bench's in tests/test_bench.py."""
-
+import pytest
 
 from jobs import run
 from doc_commands import NOT_RUN, all_commands, is_bench, names_hosts, shell, small
@@ -21,6 +21,7 @@ def test_the_docs_have_the_commands_this_test_expects():
         "a command with elisions or optional-flag brackets cannot be run as written"
 
 
+@pytest.mark.full
 def test_every_local_command_of_the_readme_and_docs_runs_as_written(tmp_path):
     """In the docs' order (a printf that writes hosts.txt comes before the job that reads it)."""
     yaml = tmp_path / "my.yaml"

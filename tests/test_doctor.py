@@ -33,6 +33,7 @@ def test_doctor_reports_horovod_build_mpi_and_cpu_budget():
     assert r["stack"]["stack"] == ("keras3" if KERAS3 else "keras2") and r["stack"]["tensorflow"] == tf.__version__
 
 
+@pytest.mark.full
 def test_doctor_warns_that_every_mpirun_waits_for_a_munged_that_is_not_running():
     """Debian's PMIx tries munge whenever libmunge is installed; the doctor says so where no munged
     answers, unless PMIX_MCA_psec picks another module (as the tests' own environment does)."""
@@ -61,6 +62,7 @@ def test_doctor_under_horovodrun_reports_once_per_host_with_its_local_size():
     assert _results(report)["cpu"]["workers"] == 2
 
 
+@pytest.mark.full
 def test_doctor_warns_when_cpu_workers_oversubscribe_the_cores():
     import os
 
@@ -70,6 +72,7 @@ def test_doctor_warns_when_cpu_workers_oversubscribe_the_cores():
     assert rc == 0 and cpu["status"] == "warn" and "oversubscribe" in cpu["detail"]
 
 
+@pytest.mark.full
 def test_doctor_fails_with_the_reinstall_command_when_horovod_lacks_tensorflow():
     env = {"PYTHONPATH": f"{ROOT / 'tests' / 'fixtures' / 'no_tf_horovod'}:{ROOT}"}
     rc, report = _doctor(env=env)
@@ -79,6 +82,7 @@ def test_doctor_fails_with_the_reinstall_command_when_horovod_lacks_tensorflow()
     assert "HOROVOD_WITH_TENSORFLOW=1" in horovod["detail"] and "pip install" in horovod["detail"]
 
 
+@pytest.mark.full
 def test_doctor_fails_when_a_host_is_not_reachable_over_ssh():
     with socket.socket() as s:  # a loopback port with nothing listening: ssh is refused at once
         s.bind(("127.0.0.1", 0))
@@ -184,6 +188,7 @@ print(doctor.placement_log())
 """
 
 
+@pytest.mark.full
 def test_placement_parser_reads_tensorflows_own_log_of_a_training_step(tmp_path):
     """The log comes from TensorFlow itself, through the doctor's own capture (on the CPU here; the
     same switch and capture the doctor uses with a GPU pinned)."""
@@ -201,6 +206,7 @@ def test_placement_parser_reads_tensorflows_own_log_of_a_training_step(tmp_path)
     assert "MatMul" not in after and "BiasAdd" not in after and set(after) < set(on_cpu)
 
 
+@pytest.mark.full
 @pytest.mark.gpu
 def test_doctor_on_a_gpu_host_pins_checks_nccl_and_placement():
     tf = pytest.importorskip("tensorflow")

@@ -111,6 +111,7 @@ def test_elastic_job_takes_in_a_new_host_loses_a_worker_and_still_finishes_every
     assert processes_of(tmp_path, settle=2) == []
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_elastic_commits_every_commit_every_steps_also_with_several_steps_per_call():
     """Horovod's CommitStateCallback counts Keras' calls of the step; with 4 steps per call it used to
@@ -120,6 +121,7 @@ def test_elastic_commits_every_commit_every_steps_also_with_several_steps_per_ca
     assert committed["4"] == [12, 24, 36, 40]  # at the end of the call that reaches every 10 steps
 
 
+@pytest.mark.full
 def test_elastic_flag_outside_an_elastic_launch_is_a_clear_error(tmp_path):
     proc = subprocess.run([PYTHON, "-m", "hvdtrain", "--elastic", "--output-dir", str(tmp_path)], cwd=ROOT,
                           env=job_env(), capture_output=True, text=True, timeout=120)
@@ -128,6 +130,7 @@ def test_elastic_flag_outside_an_elastic_launch_is_a_clear_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.full
 def test_discover_prints_a_hostfile_as_the_host_slots_lines_horovodrun_reads(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# available now\nnode1 slots=4\nnode2 slots=two\nnode3\n")
@@ -144,6 +147,7 @@ def test_discover_prints_a_hostfile_as_the_host_slots_lines_horovodrun_reads(tmp
     assert proc.returncode == 0 and proc.stdout.strip() == ""
 
 
+@pytest.mark.full
 def test_a_bad_discovery_hostfile_reaches_the_user_through_horovodrun(tmp_path):
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost slots=two\n")

@@ -74,6 +74,7 @@ def _max_diff(a, b):
 
 # ---------------------------------------------------------------- checkpoints
 
+@pytest.mark.full
 def test_killed_and_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(tmp_path):
     flags = FAST + ("--epochs", "10")
     straight = train(2, "mpirun", tmp_path / "straight", *flags)
@@ -91,6 +92,7 @@ def test_killed_and_resumed_run_ends_with_the_weights_of_an_uninterrupted_run(tm
     assert resumed["weights_sha256_by_rank"] == straight["weights_sha256_by_rank"]
 
 
+@pytest.mark.full
 def test_only_the_last_k_checkpoints_are_kept_and_resume_path_restarts_from_one(tmp_path):
     train(1, None, tmp_path / "a", *FAST, "--epochs", "4", "--keep-checkpoints", "2")
     ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("ckpt-*.index"))
@@ -127,6 +129,7 @@ def test_grouped_allreduce_gives_the_weights_of_the_ungrouped_one(fits):
     assert _max_diff(fits["grouped"], fits["fused"]) == 0.0
 
 
+@pytest.mark.full
 def test_sparse_embedding_gradients_allreduced_as_dense_in_the_example(out):
     s = train(2, "gloo", out, "--config", "examples/text_classifier.yaml")
     assert s["config"]["sparse_as_dense"] is True and len(set(s["weights_sha256_by_rank"])) == 1
@@ -154,6 +157,7 @@ def test_cosine_schedule_decays_to_almost_zero(fits):
     assert _summary(fits, "cosine")["metrics"]["lr"] < 0.01 * 0.05
 
 
+@pytest.mark.full
 def test_timeline_is_written_by_rank0_as_a_chrome_trace_and_gloo_says_it_has_no_stall_check(tmp_path):
     timeline = tmp_path / "timeline.json"
     proc = launch(2, "gloo", ["-m", "hvdtrain", "--output-dir", str(tmp_path / "run"), "--verbose", "0",
@@ -169,6 +173,7 @@ def test_timeline_is_written_by_rank0_as_a_chrome_trace_and_gloo_says_it_has_no_
     assert summary["runtime_env"]["HOROVOD_CYCLE_TIME"] == "2.0"  # the flag wins over hvdtrain's default
 
 
+@pytest.mark.full
 def test_same_seed_gives_bit_identical_weights_twice(tmp_path):
     a = train(2, "gloo", tmp_path / "a", *FAST, "--epochs", "2", "--seed", "5")
     b = train(2, "gloo", tmp_path / "b", *FAST, "--epochs", "2", "--seed", "5")
@@ -179,6 +184,7 @@ def test_same_seed_gives_bit_identical_weights_twice(tmp_path):
 
 # ---------------------------------------------------------------- stopping
 
+@pytest.mark.full
 @pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
 def test_nan_loss_on_one_worker_stops_every_worker_at_the_same_step(launcher, tmp_path):
     # a linear model: oneDNN's fused Dense+ReLU turns a NaN input into 0, which would hide the NaN
@@ -196,11 +202,13 @@ def test_early_stopping_decides_on_averaged_metrics_and_keeps_the_best_weights(f
     assert (fits["early-stopping"] / "best.weights.h5").is_file()
 
 
+@pytest.mark.full
 def test_examples_run_from_their_yaml(out):
     s = train(2, "gloo", out, "--config", "examples/small_cnn.yaml")
     assert s["config"]["model"] == "examples.small_cnn:model" and s["metrics"]["val_accuracy"] > 0.9
 
 
+@pytest.mark.full
 def test_a_checkpoint_of_another_model_is_refused_not_half_restored(tmp_path):
     train(1, None, tmp_path, *FAST, "--epochs", "1")
     proc = launch(1, None, ["-m", "hvdtrain", "--output-dir", str(tmp_path), "--model", "cnn",

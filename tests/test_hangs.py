@@ -39,7 +39,7 @@ def _named_once(output: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("launcher,rank,bound", [("mpirun", 1, None), ("gloo", 0, 15)])
+@pytest.mark.parametrize("launcher,rank,bound", [pytest.param("mpirun", 1, None, marks=pytest.mark.full), ("gloo", 0, 15)])
 def test_a_frozen_worker_is_named_within_a_minute_and_the_relaunch_resumes_from_the_last_checkpoint(
         launcher, rank, bound, tmp_path):
     """SIGSTOP to one worker mid-training: every other rank waits in the allreduce, and one line names the
@@ -75,6 +75,7 @@ def test_a_frozen_worker_is_named_within_a_minute_and_the_relaunch_resumes_from_
     ("gloo", "data:userdata:blobs_blocking_on_rank_1"),  # its input pipeline blocks in epoch 2
     pytest.param("gloo", "model:userdata:hangs_on_rank_1", marks=pytest.mark.stacks),
 ])
+@pytest.mark.full
 def test_a_worker_blocked_before_its_allreduce_is_named_and_the_job_ends(launcher, what, tmp_path):
     """A live rank that never reaches the gradients' allreduce (the others wait there for it) is named
     after --hang-stuck-seconds, under both controllers, and every rank exits 75."""
@@ -92,6 +93,7 @@ def test_a_worker_blocked_before_its_allreduce_is_named_and_the_job_ends(launche
     assert processes_of(tmp_path, settle=2) == []
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("launcher", ["mpi", pytest.param("gloo", marks=pytest.mark.stacks)])
 def test_ranks_that_traced_different_steps_are_named_with_why_and_the_job_ends(launcher, tmp_path):
     """A model whose call branches on the rank: rank 1's gradients have other names, so the two ranks'
@@ -148,6 +150,7 @@ def test_settings_that_differ_between_ranks_are_refused_before_training_by_name(
                      r"float32 \(8, 17\)", ours[0]), ours[0]
 
 
+@pytest.mark.full
 def test_a_long_first_step_on_one_rank_is_not_a_hang(tmp_path):
     """Rank 0's first step takes 8 s (a long trace or XLA compile) while rank 1 waits in the allreduce,
     with both bounds at 3 s: the job trains to the end."""
@@ -158,6 +161,7 @@ def test_a_long_first_step_on_one_rank_is_not_a_hang(tmp_path):
     assert proc.returncode == 0 and "has not" not in proc.stdout, proc.stdout[-3000:]
 
 
+@pytest.mark.full
 def test_a_whole_job_suspended_and_continued_is_not_a_hang(tmp_path):
     """Every worker stopped for longer than the bound, then continued (a scheduler's suspend and
     resume, a laptop's Ctrl-Z and fg): no rank is named, training goes on to the end."""

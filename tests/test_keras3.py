@@ -20,6 +20,7 @@ def _weights(path):
     return model.get_weights()
 
 
+@pytest.mark.full
 def test_a_custom_train_step_calling_optimizer_apply_averages_over_workers(tmp_path):
     """keras.io's Keras 3 train_step hands its gradients to optimizer.apply: at 2 workers x 16 it
     trains exactly as 1 worker x 32 at the scaled learning rate, and not as the unscaled one."""
@@ -37,7 +38,7 @@ def test_a_custom_train_step_calling_optimizer_apply_averages_over_workers(tmp_p
     assert max_diff("two", "unscaled") > 1e-3
 
 
-@pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
+@pytest.mark.parametrize("launcher", ["gloo", pytest.param("mpirun", marks=pytest.mark.full)])
 def test_a_keras3_script_through_hvdtrain_fit_ends_with_plain_keras_weights(launcher, tmp_path):
     """The same script, once as plain single-process Keras on the global batch, once through
     hvdtrain.init()/fit() on 2 workers: the same weights, and model.optimizer is still the user's."""
@@ -53,6 +54,7 @@ def test_a_keras3_script_through_hvdtrain_fit_ends_with_plain_keras_weights(laun
     assert type(saved.optimizer).__name__ == "SGD" and int(saved.optimizer.iterations.numpy()) == 60
 
 
+@pytest.mark.full
 def test_batchnorm_convnet_ends_identical_on_every_rank_and_model_keras_evaluates(tmp_path):
     """A keras.io convnet with BatchNormalization: moving statistics averaged at epoch ends, so both
     ranks save the same model; model.keras loads with plain Keras and evaluates."""
@@ -66,6 +68,7 @@ def test_batchnorm_convnet_ends_identical_on_every_rank_and_model_keras_evaluate
     assert model.optimizer.iterations.numpy() == 3 * summary["steps_per_epoch"]
 
 
+@pytest.mark.full
 def test_sparse_embedding_gradients_fp16_compression_and_groups_keep_ranks_identical(tmp_path):
     """An Embedding's gradient is an IndexedSlices: Horovod's allgather path (or --sparse-as-dense);
     fp16 compression and grouped allreduces go through the same Horovod function."""

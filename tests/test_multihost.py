@@ -87,6 +87,7 @@ def test_horovodrun_mpi_two_hosts(cluster, tmp_path):
     check_summary(tmp_path, run(cmd, env=MPI_YIELD))
 
 
+@pytest.mark.full
 def test_horovodrun_gloo_two_hosts(cluster, tmp_path):
     """Gloo: horovodrun must run on a host of the cluster (here node1, as a user would after `ssh host1`).
 
@@ -109,6 +110,7 @@ def _launcher_eth0():
     return None
 
 
+@pytest.mark.full
 def test_gloo_launcher_off_the_cluster_network_fails_on_rendezvous(cluster):
     """The failure mode of `horovodrun --gloo` started outside the cluster network, pinned precisely.
 
@@ -134,6 +136,7 @@ def test_gloo_launcher_off_the_cluster_network_fails_on_rendezvous(cluster):
     assert f"Failed to connect to {launcher_ip}:" in out and "Network is unreachable" in out, out[-4000:]
 
 
+@pytest.mark.full
 def test_mpirun_two_hosts(cluster, tmp_path):
     cmd = ["mpirun", "-np", "4", "-H", HOSTS, "--bind-to", "none", "--map-by", "slot",
            "--mca", "btl_tcp_if_include", "eth0", "--mca", "plm_rsh_agent", "ssh", "--mca", "mpi_yield_when_idle", "1"]
@@ -143,6 +146,7 @@ def test_mpirun_two_hosts(cluster, tmp_path):
     check_summary(tmp_path, run(cmd))
 
 
+@pytest.mark.full
 def test_hosts_check_two_hosts(cluster):
     proc = subprocess.run([PYTHON, "-m", "hvdtrain", "hosts", "-H", HOSTS, "--json"], cwd=ROOT, env=job_env(),
                           capture_output=True, text=True, timeout=240)
@@ -156,6 +160,7 @@ def test_hosts_check_two_hosts(cluster):
     assert report["np"] == 4
 
 
+@pytest.mark.full
 def test_hosts_check_names_the_host_whose_sshd_is_down(cluster):
     stop = subprocess.run([str(CLUSTER), "sshd-stop", "node2"], capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0, stop.stderr
@@ -172,6 +177,7 @@ def test_hosts_check_names_the_host_whose_sshd_is_down(cluster):
     assert "node1: 2 slot(s), reachable over ssh" in proc.stdout
 
 
+@pytest.mark.full
 def test_every_command_of_the_docs_that_names_hosts_runs_as_written_on_node1_and_node2(cluster, tmp_path):
     """The README's and docs' host1/host2 commands, launched from node1 as the docs say (Gloo needs the
     launcher on a host of the cluster), at small sizes: tests/doc_commands.py."""

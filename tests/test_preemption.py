@@ -41,6 +41,7 @@ def preempted_once(proc, launcher) -> str:
     return lines[0]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("at,launcher", [("train_begin", "gloo"), ("validation", "mpirun"), ("epoch_end", "gloo")])
 def test_a_signal_on_one_worker_stops_both_at_one_step_and_the_relaunch_ends_bit_identical(at, launcher, uninterrupted,
                                                                                          tmp_path):
@@ -61,7 +62,7 @@ def test_a_signal_on_one_worker_stops_both_at_one_step_and_the_relaunch_ends_bit
     assert s["weights_sha256_by_rank"] == uninterrupted["weights_sha256_by_rank"]
 
 
-@pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
+@pytest.mark.parametrize("launcher", ["gloo", pytest.param("mpirun", marks=pytest.mark.full)])
 def test_sigterm_to_every_worker_mid_epoch_exits_75_with_a_checkpoint_of_that_step(launcher, tmp_path):
     """As scancel or a pod eviction does it: SIGTERM to every worker process (not the launcher) in the
     middle of epoch 2; each exits with status 75 and the step checkpoint they agreed on is written."""
@@ -87,6 +88,7 @@ def test_sigterm_to_every_worker_mid_epoch_exits_75_with_a_checkpoint_of_that_st
     assert (tmp_path / "checkpoints" / f"ckpt-1-step-{step}.index").exists()
 
 
+@pytest.mark.full
 def test_a_signal_that_cannot_be_handled_is_refused_in_one_line(tmp_path):
     bad = launch(1, None, ["-m", "hvdtrain", "--preemption-signals", "KILL", "--output-dir", str(tmp_path)])
     assert bad.returncode == 2 and "--preemption-signals: 'KILL' is not a signal a process can handle" in bad.stdout

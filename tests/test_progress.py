@@ -14,6 +14,7 @@ JOB = ("--model", "cnn", "--data", "synthetic", "--synthetic-shape", "16", "16",
        "--checkpoint-every", "0")
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("launcher", ["gloo", "mpirun"])
 def test_progress_under_a_launcher_is_clean_lines_from_rank0_with_rate_eta_and_metrics(launcher, tmp_path):
     proc = launch(2, launcher, ["-m", "hvdtrain", "--output-dir", str(tmp_path), *JOB], timeout=300)
@@ -32,6 +33,7 @@ def test_progress_under_a_launcher_is_clean_lines_from_rank0_with_rate_eta_and_m
     assert "is slow compared to the batch time" not in text  # Keras' slow-callback warning
 
 
+@pytest.mark.full
 def test_progress_on_a_terminal_is_a_bar_redrawn_in_place(tmp_path):
     argv = [PYTHON, "-m", "hvdtrain", "--output-dir", str(tmp_path), *JOB]
     leader, follower = pty.openpty()

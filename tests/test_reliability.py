@@ -22,7 +22,8 @@ def _start(launcher, out, *extra):
     return start(2, launcher, ["-m", "hvdtrain", "--output-dir", str(out), *LONG, *extra], start_new_session=True)
 
 
-@pytest.mark.parametrize("launcher", ["gloo", "mpi", "mpirun"])
+@pytest.mark.parametrize("launcher", [pytest.param("gloo", marks=pytest.mark.full), "mpi",
+                                      pytest.param("mpirun", marks=pytest.mark.full)])
 def test_a_killed_worker_ends_the_whole_job_naming_it_and_leaves_no_process(launcher, tmp_path):
     proc = _start(launcher, tmp_path)
     try:
@@ -41,6 +42,7 @@ def test_a_killed_worker_ends_the_whole_job_naming_it_and_leaves_no_process(laun
     assert processes_of(tmp_path, settle=2) == []
 
 
+@pytest.mark.full
 def test_a_hung_worker_is_named_by_horovods_stall_check_with_the_tensors_it_waits_on(tmp_path):
     """Rank 1 blocks in its forward pass (a worker stuck in I/O) from its 4th step. Under MPI, Horovod's
     stall check names it and the gradients rank 0 waits for, then shuts the job down. (Under Gloo,
@@ -61,6 +63,7 @@ def test_a_hung_worker_is_named_by_horovods_stall_check_with_the_tensors_it_wait
 
 # ---------------------------------------------------------------- checkpoints under fire
 
+@pytest.mark.full
 def test_a_torn_checkpoint_write_leaves_the_previous_checkpoint_as_the_latest(tmp_path):
     train(1, None, tmp_path, "--model", "mlp", "--data", "digits", "--epochs", "2", "--steps-per-epoch", "3")
     ckpts = tmp_path / "checkpoints"
@@ -71,6 +74,7 @@ def test_a_torn_checkpoint_write_leaves_the_previous_checkpoint_as_the_latest(tm
     assert resumed["first_epoch"] == 2 and resumed["epochs_run"] == 2
 
 
+@pytest.mark.full
 def test_rank0_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
     import tensorflow as tf
 
@@ -93,6 +97,7 @@ def test_rank0_killed_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
     assert resumed["first_epoch"] == int(latest.rsplit("-", 1)[1]) and resumed["epochs_run"] == 1
 
 
+@pytest.mark.full
 def test_a_corrupt_checkpoint_is_a_clear_error_and_is_left_as_it_was(tmp_path):
     train(1, None, tmp_path, "--model", "mlp", "--data", "digits", "--epochs", "1", "--steps-per-epoch", "2")
     data = tmp_path / "checkpoints" / "ckpt-1.data-00000-of-00001"
@@ -113,6 +118,7 @@ def _fails_with(tmp_path, data, message):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.full
 def test_a_truncated_tfrecord_is_a_clear_error(tmp_path):
     from hvdtrain.data import write_tfrecords
 
@@ -127,6 +133,7 @@ def test_a_truncated_tfrecord_is_a_clear_error(tmp_path):
     (np.r_[np.zeros(99), -1], "labels must be >= 0, got -1"),
     (np.r_[np.zeros(99), 2.5], "labels must be class indices (integers), got e.g. [2.5]"),
 ], ids=["length-mismatch", "negative-label", "fractional-label"])
+@pytest.mark.full
 def test_bad_npz_arrays_are_clear_errors(tmp_path, y, message):
     np.savez(tmp_path / "d.npz", x=np.zeros((100, 4), np.float32), y=y)
     _fails_with(tmp_path, f"npz:{tmp_path / 'd.npz'}", message)

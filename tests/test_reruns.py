@@ -25,6 +25,7 @@ def _hvdtrain(np_, launcher, run_dir, *flags, env=None):
                   timeout=240, env=env)
 
 
+@pytest.mark.full
 def test_a_finished_run_is_left_alone_and_more_epochs_continue_it(tmp_path):
     first = train(1, None, tmp_path, *FAST, "--epochs", "2")
     before = _outputs(tmp_path)
@@ -50,6 +51,7 @@ def test_a_resume_with_more_workers_says_so_and_scales_the_learning_rate(tmp_pat
     assert s["optimizer"]["lr_scaled"] == pytest.approx(0.002)
 
 
+@pytest.mark.full
 def test_no_run_replaces_results_with_ones_that_cover_fewer_epochs(tmp_path):
     train(1, None, tmp_path, *FAST, "--epochs", "3")
     full = _digest(tmp_path / "summary.json")
@@ -65,6 +67,7 @@ def test_no_run_replaces_results_with_ones_that_cover_fewer_epochs(tmp_path):
     assert len(list((tmp_path / "previous").glob("*/summary.json"))) == 2
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("launcher", ["gloo", "mpi", "mpirun"])
 def test_a_loss_that_does_not_fit_the_labels_is_one_line_naming_the_op_not_lost_peers(launcher, tmp_path):
     """A binary model (2 logits) on 10-class labels: the failure is in every worker's own step, said as
@@ -82,6 +85,7 @@ def test_a_loss_that_does_not_fit_the_labels_is_one_line_naming_the_op_not_lost_
     assert "Traceback" in open(log).read()
 
 
+@pytest.mark.full
 def test_an_edited_model_names_the_variables_that_differ_and_the_remedy(tmp_path):
     module = tmp_path / "mine.py"
     model = textwrap.dedent("""

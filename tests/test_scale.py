@@ -11,7 +11,7 @@ import pytest
 from jobs import BIN, PYTHON, run
 from test_multihost import MPI_YIELD, netns_hosts
 
-pytestmark = [pytest.mark.scale, pytest.mark.alone]
+pytestmark = [pytest.mark.scale, pytest.mark.alone, pytest.mark.full]
 
 HOSTS = "node1:8,node2:8,node3:8,node4:8"
 TRAIN = ["-m", "hvdtrain", "--model", "mlp", "--data", "synthetic", "--synthetic-shape", "8", "8", "1",

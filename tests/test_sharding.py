@@ -38,12 +38,14 @@ def test_file_shards_are_disjoint_and_cover_the_data(tmp_path):
     _assert_disjoint_cover(report, 64)
 
 
+@pytest.mark.full
 def test_fewer_files_than_workers_falls_back_to_element_sharding(tmp_path):
     report = run_worker_script(2, "gloo", "shard_check.py", _ids_tfrecords(tmp_path / "t", 64, 1), 8)
     assert report["sharding"] == "element"
     _assert_disjoint_cover(report, 64)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("source", ["npz", "tfrecord"])
 def test_uneven_split_gives_every_worker_the_same_number_of_steps(tmp_path, source):
     """70 samples over 2 workers in batches of 8: the smaller shard decides, for every rank."""

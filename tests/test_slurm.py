@@ -60,6 +60,7 @@ def summary(out) -> dict:
     return s
 
 
+@pytest.mark.full
 def test_sbatch_of_the_example_script_trains_four_ranks_over_two_nodes_through_srun(slurm, tmp_path):
     """examples/slurm/train.sbatch: 2 nodes x 2 tasks, `srun --mpi=pmix python -m hvdtrain` (MPI through
     Slurm's PMIx, no horovodrun): the ranks agree, summary.json names both nodes."""
@@ -69,6 +70,7 @@ def test_sbatch_of_the_example_script_trains_four_ranks_over_two_nodes_through_s
     assert s["epochs_run"] == 2, (tmp_path / "job.out").read_text()[-3000:]
 
 
+@pytest.mark.full
 def test_horovodrun_inside_the_allocation_takes_its_hosts_from_slurm(slurm, tmp_path):
     """examples/slurm/train_horovodrun.sbatch: `hvdtrain hosts --slurm` gives horovodrun node1:2,node2:2."""
     job = submit(slurm, "train_horovodrun.sbatch", tmp_path / "job.out", *SMALL, "--output-dir", str(tmp_path / "run"))
@@ -79,6 +81,7 @@ def test_horovodrun_inside_the_allocation_takes_its_hosts_from_slurm(slurm, tmp_
     assert set(hosts.split()) == {"node1:3,node2:3"}, hosts  # every task prints the same line
 
 
+@pytest.mark.full
 def test_scancel_signal_term_preempts_and_the_requeued_job_resumes_bit_identical(slurm, tmp_path):
     """scancel --signal=TERM in epoch 2: every rank stops at one step after its checkpoint, srun exits
     75, the batch script requeues the job, and the requeued job resumes at that step and ends with
@@ -107,6 +110,7 @@ def test_scancel_signal_term_preempts_and_the_requeued_job_resumes_bit_identical
     assert s["weights_sha256_by_rank"] == uninterrupted["weights_sha256_by_rank"]
 
 
+@pytest.mark.full
 def test_hosts_slurm_outside_an_allocation_says_where_to_run_it():
     env = {k: v for k, v in job_env().items() if not k.startswith("SLURM_")}
     proc = subprocess.run(["python", "-m", "hvdtrain", "hosts", "--slurm"], cwd=ROOT, env=env, capture_output=True,
@@ -139,6 +143,7 @@ def test_gpu_pinning_follows_slurms_per_task_binding(slurm_env, expected):
 
 
 
+@pytest.mark.full
 def test_the_sbatch_commands_of_the_docs_run_as_written(slurm, tmp_path):
     """docs/multinode.md's sbatch lines, as written, with my.yaml a small job's config."""
     lines = [l.strip() for l in (ROOT / "docs" / "multinode.md").read_text().splitlines() if l.startswith("    sbatch ")]
@@ -155,6 +160,7 @@ def test_the_sbatch_commands_of_the_docs_run_as_written(slurm, tmp_path):
             (ROOT / f"hvdtrain-{job}.out").unlink(missing_ok=True)
 
 
+@pytest.mark.full
 def test_a_signal_named_by_preemption_signals_preempts_as_slurms_time_limit_warning_would(slurm, tmp_path):
     """--preemption-signals TERM USR1, the signal `#SBATCH --signal=USR1@120` sends before a time limit
     (sent here by scancel --signal=USR1): every rank stops at one step after its checkpoint, exit 75."""

@@ -7,7 +7,7 @@ import pytest
 
 from jobs import LAUNCHERS, launch, processes_of
 
-pytestmark = pytest.mark.alone  # no process or port may be left
+pytestmark = [pytest.mark.alone, pytest.mark.full]  # no process or port may be left
 
 # 6 in the suite (2 per launcher, about a minute); the soak is HVDTRAIN_SOAK_JOBS=30 (7.5 min)
 JOBS = int(os.environ.get("HVDTRAIN_SOAK_JOBS", "6"))

@@ -114,6 +114,7 @@ def straight(sources, tmp_path_factory):
     ("arrays", "elastic", random.Random(9).randint(STEPS + 2, 2 * STEPS - 1)),  # the whole elastic job
 ], ids=["arrays-horovodrun-first-step", "tfrecord-mpirun-last-step", "pipeline-horovodrun-mid-epoch",
         "arrays-mpirun-mid-epoch", "arrays-elastic-job-restarted"])
+@pytest.mark.full
 def test_worker_killed_inside_an_epoch_resumes_at_the_next_step_and_ends_bit_identical(
         source, launcher, kill_at, sources, straight, tmp_path):
     data, env = sources[source]
@@ -136,6 +137,7 @@ def test_worker_killed_inside_an_epoch_resumes_at_the_next_step_and_ends_bit_ide
     assert counted == straight[source][1], "the same samples at the same steps as the uninterrupted run"
 
 
+@pytest.mark.stacks  # the gate's job on the second stack: it trains, checkpoints and resumes
 def test_an_epoch_of_187_steps_runs_10_steps_per_call_and_resumes_bit_identical_inside_its_shorter_last_call(tmp_path):
     """187 steps an epoch (11 x 17: no count from 2 to 10 divides it) at the default 10 steps per call:
     18 calls of 10 and a last one of 7, on both Keras generations. A worker killed inside epoch 1's last,
@@ -175,6 +177,7 @@ def test_an_epoch_of_187_steps_runs_10_steps_per_call_and_resumes_bit_identical_
         assert sorted(ids) == list(range(n))
 
 
+@pytest.mark.full
 def test_a_resume_that_cannot_be_replayed_says_why_and_what_to_change(tmp_path):
     """A keras-io pipeline (.shuffle().batch(), reshuffled every epoch) and a model with Dropout: the
     resumed epoch restarts, and the log names both causes and the remedy."""
@@ -192,6 +195,7 @@ def test_a_resume_that_cannot_be_replayed_says_why_and_what_to_change(tmp_path):
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["first_step"] == 0
 
 
+@pytest.mark.full
 def test_checkpoint_every_minutes_saves_inside_epochs_at_steps_every_rank_agrees_on(sources, tmp_path):
     """Rank 0 turns the minutes into a step count and tells the others: a save inside an epoch gathers
     every rank's BatchNorm state, so a rank saving at another step would hang the job, not pass."""

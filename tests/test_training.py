@@ -6,8 +6,8 @@ from jobs import KERAS3, LAUNCHERS, PYTHON, run, run_worker_script, train
 
 DIGITS_FAST = ("--model", "mlp", "--data", "digits", "--epochs", "2", "--steps-per-epoch", "5")
 # on the second stack, one launcher: what differs between the Keras generations is not the launcher's
-ON_BOTH_STACKS = [pytest.param(launcher, marks=pytest.mark.stacks) if launcher == "gloo" else launcher
-                  for launcher in LAUNCHERS]
+ON_BOTH_STACKS = [pytest.param(launcher, marks=[pytest.mark.stacks, pytest.mark.full]) if launcher == "gloo" else
+                  pytest.param(launcher, marks=[] if launcher == "mpi" else [pytest.mark.full]) for launcher in LAUNCHERS]
 
 
 @pytest.mark.parametrize("launcher", ON_BOTH_STACKS)
@@ -42,6 +42,7 @@ def test_a_worker_started_without_a_launcher_starts_no_mpi_daemon_unless_the_use
         assert ("orted" in line) == daemon, line
 
 
+@pytest.mark.full
 def test_seed_zero_trains_like_any_other_seed(out):
     """TensorFlow's shuffle(seed=tensor) cannot be traced under the global seed 0; the data order
     is drawn statelessly instead, so --seed 0 works (it crashed at the first step)."""
@@ -49,6 +50,7 @@ def test_seed_zero_trains_like_any_other_seed(out):
     assert summary["config"]["seed"] == 0 and summary["epochs_run"] == 2
 
 
+@pytest.mark.full(stack="second")
 @pytest.mark.stacks
 def test_two_workers_equal_one_worker_with_twice_the_batch(tmp_path):
     """Synchronous data parallelism is exact: same samples per step, gradients averaged, same update."""
@@ -69,13 +71,14 @@ def test_two_workers_equal_one_worker_with_twice_the_batch(tmp_path):
     assert max_diff("two", "unscaled") > 1e-3  # the comparison can tell a different update apart
 
 
-@pytest.mark.parametrize("launcher", [pytest.param("gloo", marks=pytest.mark.stacks), "mpirun"])
+@pytest.mark.parametrize("launcher", [pytest.param("gloo", marks=[pytest.mark.stacks, pytest.mark.full]), "mpirun"])
 def test_broadcast_gives_every_rank_rank0_initial_weights(launcher):
     r = run_worker_script(2, launcher, "broadcast_check.py")
     assert r["before"][0] != r["before"][1], "ranks should start different for this test to mean anything"
     assert r["after"] == [r["before"][0]] * 2
 
 
+@pytest.mark.full
 def test_digits_reaches_95_percent_validation_accuracy_at_two_workers(out):
     summary = train(2, "gloo", out, "--model", "mlp", "--data", "digits", "--epochs", "8")
     assert summary["metrics"]["val_accuracy"] >= 0.95, summary["metrics"]
@@ -83,6 +86,7 @@ def test_digits_reaches_95_percent_validation_accuracy_at_two_workers(out):
     assert len(summary["samples_per_sec_per_worker"]) == 2
 
 
+@pytest.mark.full
 def test_plain_python_trains_as_one_worker(out):
     summary = train(1, None, out, *DIGITS_FAST)
     assert summary["world_size"] == 1 and len(summary["weights_sha256_by_rank"]) == 1
@@ -98,6 +102,7 @@ def first_step():
     return run_worker_script(2, "gloo", "first_step_check.py")
 
 
+@pytest.mark.full
 @pytest.mark.stacks  # Keras 2's: run by the second stack's pass
 def test_the_first_step_is_traced_once_with_the_metrics_keras_itself_picks(first_step):
     """Keras builds the compiled loss and metrics inside the first step, which makes TensorFlow trace
@@ -111,6 +116,7 @@ def test_the_first_step_is_traced_once_with_the_metrics_keras_itself_picks(first
     assert "accuracy:binary_accuracy" in first_step["models"]["binary"]["hvdtrain"]["metrics"]
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_horovods_gradient_allreduce_is_traced_without_autograph_into_horovods_own_ops(first_step):
     """Horovod's allreduce of the gradients, traced with AutoGraph on, converts Horovod's Python call by

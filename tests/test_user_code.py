@@ -1,7 +1,10 @@
 """A user's own model and tf.data pipeline, plugged in as module:function."""
+import pytest
+
 from jobs import train
 
 
+@pytest.mark.full
 def test_user_model_and_dataset_train_at_two_workers(out):
     summary = train(2, "gloo", out, "--model", "userdata:tiny_model", "--data", "userdata:blobs",
                     "--epochs", "3", "--batch-size", "16", "--lr", "0.05")

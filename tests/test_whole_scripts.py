@@ -30,6 +30,7 @@ def two_phases(tmp_path_factory):
     return {**run_worker_script(2, "gloo", "transfer_learning.py", "hvdtrain", out), "out": out}
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_fine_tuning_after_transfer_learning_trains_at_its_own_compiled_lr_as_plain_keras(
         plain_two_phases, two_phases):
@@ -43,12 +44,14 @@ def test_fine_tuning_after_transfer_learning_trains_at_its_own_compiled_lr_as_pl
         pytest.approx(2e-3)
 
 
+@pytest.mark.full
 def test_fine_tuning_in_its_own_output_dir_ends_with_the_same_weights(two_phases, tmp_path):
     ours = run_worker_script(2, "gloo", "transfer_learning.py", "hvdtrain", tmp_path / "one", tmp_path / "two")
     assert max_diff(ours["weights"], two_phases["weights"]) == 0
     assert (tmp_path / "two" / "summary.json").exists() and not (tmp_path / "one" / "fit-2").exists()
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("kill,launcher", [("phase1", "gloo"), pytest.param("between", "mpirun", marks=pytest.mark.stacks),
                                          ("phase2", "gloo")])
 def test_a_two_phase_script_killed_and_relaunched_ends_with_the_uninterrupted_weights(kill, launcher, two_phases,
@@ -65,6 +68,7 @@ def test_a_two_phase_script_killed_and_relaunched_ends_with_the_uninterrupted_we
     assert max_diff(str(tmp_path / "weights.npz"), two_phases["weights"]) == 0
 
 
+@pytest.mark.full
 def test_a_second_script_on_the_first_phases_output_dir_is_told_it_is_another_phase(two_phases, tmp_path):
     """Phase 2 as a script of its own, run on phase 1's finished output dir: not "nothing to do" (the
     base would never be fine-tuned), but one error naming what differs and what to do."""
@@ -91,6 +95,7 @@ def with_callbacks(tmp_path_factory):
     return plain, ours, plain_dir, our_dir
 
 
+@pytest.mark.full
 def test_reduce_lr_on_plateau_changes_the_rate_that_trains_as_in_plain_keras(with_callbacks):
     """ReduceLROnPlateau halves the rate after epochs 2 and 3 on both; hvdtrain's per-step rate
     follows it, so the weights end as plain Keras' on the global batch; summary.json's history
@@ -102,11 +107,13 @@ def test_reduce_lr_on_plateau_changes_the_rate_that_trains_as_in_plain_keras(wit
     assert max_diff(ours["weights"], plain["weights"]) < 1e-5
 
 
+@pytest.mark.full
 def test_a_per_batch_callback_sees_every_batch(with_callbacks):
     plain, ours, _, _ = with_callbacks
     assert plain["batches"] == ours["batches"] == 4 * 20  # hvdtrain's rank 0: its own 20 steps an epoch
 
 
+@pytest.mark.full
 def test_file_writing_callbacks_write_once_from_rank_0(with_callbacks):
     """CSVLogger: one file, every epoch once; ModelCheckpoint(save_best_only): the same epochs' files
     as plain Keras; the user's own writer marked hvdtrain.on_rank0: a line per epoch, not two."""
@@ -129,6 +136,7 @@ def test_backup_and_restore_is_refused_with_what_hvdtrain_does_instead():
 
 
 
+@pytest.mark.full
 def test_callbacks_from_the_command_line_decide_alike_on_every_rank(out):
     """--callbacks module:function: EarlyStopping stops both ranks at the same epoch (a rank going on
     alone would hang in its allreduce)."""
@@ -136,6 +144,7 @@ def test_callbacks_from_the_command_line_decide_alike_on_every_rank(out):
     assert summary["epochs_run"] == 2 and len(set(summary["weights_sha256_by_rank"])) == 1
 
 
+@pytest.mark.full(stack="second")
 @pytest.mark.stacks
 def test_the_keras_io_script_with_rank_0_only_callbacks_trains_as_in_plain_keras(tmp_path):
     """keras.io's script as users write it: ModelCheckpoint and CSVLogger (rank 0 alone runs them; the
@@ -163,6 +172,7 @@ def test_the_keras_io_script_with_rank_0_only_callbacks_trains_as_in_plain_keras
 
 # ---------------------------------------------------------------- a keras.utils.Sequence
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_a_sequence_gives_each_worker_its_own_batches_and_ends_its_epochs_as_in_plain_keras(tmp_path):
     """2 workers x batches of 32 by index equal plain Keras' batches of 64 from the same Sequence,
@@ -177,6 +187,7 @@ def test_a_sequence_gives_each_worker_its_own_batches_and_ends_its_epochs_as_in_
     assert summary["data"]["sharding"] == "batch" and summary["steps_per_epoch"] == 20
 
 
+@pytest.mark.full
 def test_a_shuffled_sequence_killed_inside_an_epoch_resumes_to_the_same_weights(tmp_path):
     """hvdtrain's seeded order of a Sequence's batches, and the Sequence's own reshuffling in
     on_epoch_end, come back after a crash: killed at step 8 of epoch 2 (a step checkpoint at 5), the
@@ -194,6 +205,7 @@ def test_a_shuffled_sequence_killed_inside_an_epoch_resumes_to_the_same_weights(
 
 # ---------------------------------------------------------------- num_classes
 
+@pytest.mark.full
 def test_counting_num_classes_is_said_with_its_time_and_num_classes_skips_it(tmp_path):
     """A model function that takes num_classes costs one pass over the labels: one line says so, with
     its time; --num-classes gives it instead (here to a regression builder that declares it)."""
@@ -209,6 +221,7 @@ def test_counting_num_classes_is_said_with_its_time_and_num_classes_skips_it(tmp
     assert "counted in one pass" not in given.stdout
 
 
+@pytest.mark.full
 def test_validation_of_unknown_size_is_read_to_its_end_without_a_running_out_warning(tmp_path):
     """Keras 3 warns "Your input ran out of data; interrupting training" when evaluate reads a set of
     unknown size to its end, which is what validation does: not a fault of the user's data."""
@@ -220,6 +233,7 @@ def test_validation_of_unknown_size_is_read_to_its_end_without_a_running_out_war
     assert "ran out of data" not in proc.stdout
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_a_second_fit_without_adasum_runs_the_models_own_step_again(tmp_path):
     """Keras 2's Adasum replaces Keras' step with one through Horovod's DistributedGradientTape; the

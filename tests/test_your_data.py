@@ -38,6 +38,7 @@ def _errors(proc):
     return error_lines(proc.stdout)
 
 
+@pytest.mark.full
 def test_own_tfrecord_schema_is_sharded_by_file_and_each_record_read_once_per_epoch(tmp_path):
     reads = tmp_path / "reads"
     reads.mkdir()
@@ -54,6 +55,7 @@ def test_own_tfrecord_schema_is_sharded_by_file_and_each_record_read_once_per_ep
     assert set(total) == set(range(2000)) and set(total.values()) == {2}  # once per epoch, 2 epochs
 
 
+@pytest.mark.full
 def test_fewer_files_than_workers_falls_back_to_element_sharding_and_says_so(tmp_path):
     env = {"RECORDS": _records(tmp_path, 1, 600)}
     proc = _job(2, "mpirun", tmp_path / "run", *SGD_MODEL, "--data", "user_data:records", "--epochs", "1",
@@ -65,6 +67,7 @@ def test_fewer_files_than_workers_falls_back_to_element_sharding_and_says_so(tmp
     assert s["data"]["sharding"] == "element" and s["steps_per_epoch"] == 600 // 2 // 32
 
 
+@pytest.mark.full
 def test_batched_csv_files_whose_reader_cannot_be_sharded_by_file_are_sharded_by_batch_and_say_so_once(tmp_path):
     """The note and the training line name the same unit: a batched pipeline's elements are batches."""
     import user_data
@@ -80,6 +83,7 @@ def test_batched_csv_files_whose_reader_cannot_be_sharded_by_file_are_sharded_by
     assert s["data"]["sharding"] == "batch" and s["steps_per_epoch"] == 1797 // 32 // 2
 
 
+@pytest.mark.full
 def test_a_data_function_taking_a_context_shards_and_batches_itself(tmp_path):
     env = {"RECORDS": _records(tmp_path, 4, 200)}
     proc = _job(2, "gloo", tmp_path / "run", *SGD_MODEL, "--data", "user_data:records_sharded",
@@ -90,6 +94,7 @@ def test_a_data_function_taking_a_context_shards_and_batches_itself(tmp_path):
     assert s["steps_per_epoch"] == 400 // 25 and len(set(s["weights_sha256_by_rank"])) == 1
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_a_pre_batched_pipeline_is_taken_as_per_worker_batches(out):
     proc = _job(2, "mpirun", out, *SGD_MODEL, "--data", "user_data:digits_batched", "--epochs", "3",
@@ -116,6 +121,7 @@ def _write_pngs(folder, per_class=40):
             tf.io.write_file(str(folder / name / f"{i}.png"), tf.io.encode_png(img))
 
 
+@pytest.mark.full
 def test_image_dataset_from_directory_with_its_defaults(tmp_path):
     _write_pngs(tmp_path / "images")
     proc = _job(2, "gloo", tmp_path / "run", "--model", "user_models:image_classifier", "--data",
@@ -127,6 +133,7 @@ def test_image_dataset_from_directory_with_its_defaults(tmp_path):
     assert s["metrics"]["accuracy"] > 0.9 and len(set(s["weights_sha256_by_rank"])) == 1
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_a_repeating_pipeline_trains_with_steps_per_epoch_and_is_a_clear_error_without(tmp_path):
     proc = _job(2, "mpirun", tmp_path / "no", *SGD_MODEL, "--data", "user_data:digits_repeat")
@@ -139,12 +146,14 @@ def test_a_repeating_pipeline_trains_with_steps_per_epoch_and_is_a_clear_error_w
     assert s["steps_per_epoch"] == 12 and s["epochs_run"] == 3 and s["metrics"]["accuracy"] > 0.7
 
 
+@pytest.mark.full
 def test_a_generator_pipeline_is_counted_on_each_shard_and_trains(out):
     s = train(2, "gloo", out, *SGD_MODEL, "--data", "user_data:digits_generator", "--epochs", "3")
     assert s["data"] == {"sharding": "element", "samples": 1400, "validation": False}
     assert s["steps_per_epoch"] == 700 // 32 and s["metrics"]["accuracy"] > 0.85
 
 
+@pytest.mark.full
 def test_val_split_holds_out_part_of_a_single_dataset(out):
     proc = _job(2, "mpirun", out, *SGD_MODEL, "--data", "user_data:digits_single", "--val-split", "0.25",
                 "--epochs", "3", "--early-stopping-patience", "2")
@@ -155,6 +164,7 @@ def test_val_split_holds_out_part_of_a_single_dataset(out):
     assert s["data"]["samples"] == 1079 and s["data"]["validation"] and s["metrics"]["val_accuracy"] > 0.85
 
 
+@pytest.mark.full
 def test_early_stopping_on_validation_without_validation_data_is_a_clear_error(tmp_path):
     proc = _job(2, "gloo", tmp_path, *SGD_MODEL, "--data", "user_data:digits_single",
                 "--early-stopping-patience", "2")
@@ -162,6 +172,7 @@ def test_early_stopping_on_validation_without_validation_data_is_a_clear_error(t
     assert "watches val_loss, but there is no validation data" in _errors(proc)[0]
 
 
+@pytest.mark.full
 def test_validation_metrics_equal_a_one_worker_evaluation_of_the_same_weights(out):
     """301 validation digits over 2 workers (151 and 150): the metrics of all of them, exactly."""
     import tensorflow as tf
@@ -176,12 +187,14 @@ def test_validation_metrics_equal_a_one_worker_evaluation_of_the_same_weights(ou
     assert round(one["accuracy"] * 301) == pytest.approx(one["accuracy"] * 301, abs=1e-3)
 
 
+@pytest.mark.full
 def test_an_empty_dataset_is_a_clear_error(tmp_path):
     proc = _job(2, "gloo", tmp_path, "--model", "user_models:regression", "--data", "user_data:empty")
     assert proc.returncode != 0 and len(_errors(proc)) == 1
     assert "user_data:empty: the data set is empty" in _errors(proc)[0]
 
 
+@pytest.mark.full
 def test_val_split_of_a_file_pipeline_says_it_shards_by_element_without_tensorflows_error(tmp_path):
     """--val-split numbers the elements (enumerate), which TensorFlow's by-file rewrite cannot walk:
     one line says so, instead of the rewrite's 100-line grappler error on every rank."""

@@ -82,6 +82,7 @@ def _same_weights_on_every_rank(summary):
     return len(summary["weights_sha256_by_rank"]) == 2 and len(set(summary["weights_sha256_by_rank"])) == 1
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_a_model_compiled_for_xla_trains_on_cpu_workers_with_xla_off_and_says_so(fits):
     s, out = _summary(fits, "xla"), fits["xla"][0]
@@ -89,6 +90,7 @@ def test_a_model_compiled_for_xla_trains_on_cpu_workers_with_xla_off_and_says_so
     assert s["model"]["loss"] == "mse (model.compile)" and _same_weights_on_every_rank(s)
 
 
+@pytest.mark.full
 def test_a_model_compiled_with_steps_per_execution_auto_trains_with_the_default_count_on_every_rank_and_says_so():
     """Keras' "auto" retunes the count on each process's own clock, so ranks would call back (a checkpoint
     inside an epoch gathers from all) at different steps; and Keras' compile leaves the tuner on."""
@@ -120,6 +122,7 @@ def test_steps_per_execution_is_the_flag_else_the_users_compile_else_ten_or_one_
     assert plan.kwargs["steps_per_execution"] == (trains_with if KERAS3 else flag or compiled)
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_a_model_whose_loss_keras_cannot_rebuild_is_saved_uncompiled_and_says_so(out):
     train(1, None, out, "--model", "user_models:lambda_loss", "--data", "user_data:diabetes", "--epochs", "1")
@@ -127,6 +130,7 @@ def test_a_model_whose_loss_keras_cannot_rebuild_is_saved_uncompiled_and_says_so
     assert getattr(_saved(out), "optimizer", None) is None  # Keras 3 has no attribute until compiled
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_regression_on_diabetes_beats_predicting_the_mean(fits):
     s = _summary(fits, "regression")
@@ -140,6 +144,7 @@ def test_regression_on_diabetes_beats_predicting_the_mean(fits):
     assert _same_weights_on_every_rank(s)
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_binary_classifier_keeps_the_users_auc_combined_exactly_over_workers(fits):
     import tensorflow as tf
@@ -164,6 +169,7 @@ def test_binary_classifier_keeps_the_users_auc_combined_exactly_over_workers(fit
     assert one["loss"] == pytest.approx(s["metrics"]["val_loss"], rel=1e-5)
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_class_weight_trains_exactly_as_the_same_weights_given_per_sample(fits):
     """keras.io's imbalanced classification passes fit(class_weight=...): class_weight trains as the
@@ -178,6 +184,7 @@ def test_class_weight_trains_exactly_as_the_same_weights_given_per_sample(fits):
     assert max_diff("flag", "none") > 1e-3
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_one_hot_labels_train_with_categorical_crossentropy(fits):
     s = _summary(fits, "one-hot")
@@ -185,6 +192,7 @@ def test_one_hot_labels_train_with_categorical_crossentropy(fits):
     assert s["metrics"]["val_accuracy"] > 0.9 and _same_weights_on_every_rank(s)
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_keras_applications_softmax_head_trains_as_its_logits_variant_without_a_warning(fits):
     runs = {head: _summary(fits, f"mobilenet-{head}") for head in ("softmax", "logits")}
@@ -196,12 +204,14 @@ def test_keras_applications_softmax_head_trains_as_its_logits_variant_without_a_
         assert runs["softmax"]["metrics"][k] == pytest.approx(runs["logits"]["metrics"][k], abs=1e-4), k
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_named_inputs_are_fed_from_a_dict_of_features(fits):
     s = _summary(fits, "named-inputs")
     assert s["metrics"]["val_accuracy"] > 0.85 and _same_weights_on_every_rank(s)
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_the_compiled_optimizer_runs_scaled_and_a_flag_that_replaces_it_says_so(fits):
     s = _summary(fits, "sgd")
@@ -213,6 +223,7 @@ def test_the_compiled_optimizer_runs_scaled_and_a_flag_that_replaces_it_says_so(
     assert _summary(fits, "sgd-adam")["optimizer"]["class"] == "Adam"
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_a_custom_train_step_that_applies_its_own_gradients_keeps_every_rank_identical(fits):
     """Horovod's DistributedOptimizer allreduces in compute_gradients only: without hvdtrain's fix
@@ -222,12 +233,14 @@ def test_a_custom_train_step_that_applies_its_own_gradients_keeps_every_rank_ide
     assert s["metrics"]["val_accuracy"] > 0.85
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_batchnorm_statistics_agree_across_ranks(fits):
     s = _summary(fits, "batchnorm")
     assert _same_weights_on_every_rank(s)  # moving mean and variance included
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("builder", ["frozen_mobilenet", "fine_tuned_mobilenet"])
 def test_what_a_pretrained_base_holds_that_no_step_changes_comes_back_bit_identical_at_three_workers(
         builder, tmp_path):
@@ -301,7 +314,7 @@ def test_keras_fit_arguments_that_hvdtrain_does_not_take_say_what_to_use_instead
         hvdtrain.fit("mlp", "digits", validation_split=0.2)
 
 
-@pytest.mark.parametrize("launcher", ["gloo", pytest.param(None, marks=pytest.mark.stacks)])
+@pytest.mark.parametrize("launcher", ["gloo", pytest.param(None, marks=[pytest.mark.stacks, pytest.mark.full])])
 def test_the_python_api_script_trains_under_horovodrun_and_plain_python(launcher, tmp_path):
     import json
 
@@ -315,6 +328,7 @@ def test_the_python_api_script_trains_under_horovodrun_and_plain_python(launcher
     assert (tmp_path / "checkpoints" / "checkpoint").exists() and (tmp_path / "model.keras").exists()
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_several_outputs_keep_their_dict_losses_weights_and_metrics(fits):
     s = _summary(fits, "two-heads")
@@ -325,6 +339,7 @@ def test_several_outputs_keep_their_dict_losses_weights_and_metrics(fits):
     assert _same_weights_on_every_rank(s)
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_multi_label_targets_train_with_the_users_binary_crossentropy(fits):
     s = _summary(fits, "multi-label")
@@ -333,6 +348,7 @@ def test_multi_label_targets_train_with_the_users_binary_crossentropy(fits):
     assert _same_weights_on_every_rank(s)
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 @pytest.mark.parametrize("model", ["text_vectorized", "text_tf_idf"])
 def test_a_text_model_with_textvectorization_trains_with_rank0s_vocabulary_on_every_rank(fits, model):
@@ -345,6 +361,7 @@ def test_a_text_model_with_textvectorization_trains_with_rank0s_vocabulary_on_ev
     assert (out / "model.keras").is_file()
 
 
+@pytest.mark.full
 @pytest.mark.stacks
 def test_runtime_settings_given_to_fit_after_init_are_refused_and_the_rest_apply(tmp_path):
     """hvd.init() reads the threads and Horovod's knobs once: fit(threads=...) after hvdtrain.init() says

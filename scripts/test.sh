@@ -26,7 +26,8 @@ fi
 # job's exit. The gate first says which full-tier tests it adds, and stops if they are too many.
 passes() {  # python, --stack-pass value, marker expression (empty: every test)
   local py=$1 pass=$2 expr=${3:+($3) and } rc=0
-  local args=(-p no:cacheprovider --tier "$tier" --stack-pass "$pass" "${notes[@]}")
+  # tests/ named: its conftest.py, which loads the tiers' plugin, is then read before the options are
+  local args=(tests -p no:cacheprovider --tier "$tier" --stack-pass "$pass" "${notes[@]}")
   if [ "$tier" = gate ]; then
     "$py" -m pytest "${args[@]}" --collect-only -q ${3:+-m "$3"} | grep -v '::' || rc=${PIPESTATUS[0]}
     if [ "$rc" -eq 3 ]; then return 3; fi

@@ -274,8 +274,11 @@ class Reach:
         return {r for r in (relative(ROOT / line) for line in f.read_text().split()) if r} if f.exists() else set()
 
     def reach_of(self, item) -> set:
-        keys = [item.nodeid] + [f"fixture:{n}" for n in item.fixturenames]
         found = static_reach(Path(item.fspath))
+        # what the test's module, and the test modules it imports, read when they were collected (the
+        # docs' commands a module parametrizes its tests with), what its fixtures and the test reached
+        keys = [f"collect:{m}" for m in found if m.startswith("tests/test_")] + [item.nodeid] + [
+            f"fixture:{n}" for n in item.fixturenames]
         for k in keys:
             found |= self.seen.get(k, set()) | self.children(k)
         return {r for r in found if r not in NOT_REACHED}
@@ -297,6 +300,18 @@ def pytest_fixture_setup(fixturedef, request):
     yield
     if reach is not None:
         reach.switch(before)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    reach = getattr(collector.config, "_tiers_reach", None)
+    if reach is None or not isinstance(collector, pytest.Module):
+        yield
+        return
+    before = reach.key
+    reach.switch(f"collect:{relative(collector.path) or collector.nodeid}")
+    yield
+    reach.switch(before)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -195,6 +195,7 @@ def is_full(item, stack_pass: str) -> bool:
     return mark is not None and mark.kwargs.get("stack", stack_pass) == stack_pass
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k: the tests of this pass alone are weighed
 def pytest_collection_modifyitems(config, items):
     tier = config.getoption("--tier")
     if not tier:

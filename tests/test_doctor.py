@@ -50,10 +50,12 @@ def test_doctor_warns_that_every_mpirun_waits_for_a_munged_that_is_not_running()
 
 def test_hosts_of_one_job_on_different_stacks_are_one_error_naming_each():
     ours = doctor.stack()
-    other = {**ours, "stack": "keras2", "tensorflow": "2.15.1", "keras": "2.15.0", "detail": "keras2: ..."}
+    other = ({**ours, "stack": "keras2", "tensorflow": "2.15.1", "keras": "2.15.0", "detail": "keras2: ..."}
+             if ours["stack"] != "keras2" else
+             {**ours, "stack": "keras3", "tensorflow": "2.18.1", "keras": "3.15.1", "detail": "keras3: ..."})
     assert doctor.same_stack([{"host": "a", "results": [ours]}, {"host": "b", "results": [ours]}]) == []
     (error,) = doctor.same_stack([{"host": "a", "results": [ours]}, {"host": "b", "results": [other]}])
-    assert error["status"] == doctor.ERROR and "a: keras" in error["detail"] and "b: keras2" in error["detail"]
+    assert error["status"] == doctor.ERROR and "a: keras" in error["detail"] and f"b: {other['stack']}" in error["detail"]
 
 
 def test_doctor_under_horovodrun_reports_once_per_host_with_its_local_size():

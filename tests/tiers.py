@@ -254,17 +254,19 @@ class Reach:
         self.key = "session"
         self.seen: dict = {}
         self.tests: dict = {}
-        self.fixtures: dict = {}
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT / "tests")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
         tracked()  # before the hook: git's own start would be heard by it
         sys.addaudithook(self._audit)
         self.switch("session")
 
+    def _notes_of(self, key) -> Path:
+        """The file the processes started under `key` (a test, a fixture) write what they reach into."""
+        return self.files / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.txt"
+
     def switch(self, key):
         self.key = key
-        name = hashlib.sha1(key.encode()).hexdigest()[:16]
-        os.environ["HVDTRAIN_TEST_REACH"] = str(self.files / f"{name}.txt")
+        os.environ["HVDTRAIN_TEST_REACH"] = str(self._notes_of(key))
         self.seen.setdefault(key, set())
 
     def _audit(self, event, args):
@@ -280,8 +282,7 @@ class Reach:
                 self.seen[self.key].add(rel)
 
     def children(self, key) -> set:
-        name = hashlib.sha1(key.encode()).hexdigest()[:16]
-        f = self.files / f"{name}.txt"
+        f = self._notes_of(key)
         return {r for r in (relative(ROOT / line) for line in f.read_text().split()) if r} if f.exists() else set()
 
     def reach_of(self, item) -> set:

@@ -272,7 +272,7 @@ class Reach:
     def _audit(self, event, args):
         if event == "open":
             paths = [args[0]]
-        elif event == "subprocess.Popen":
+        elif event in ("subprocess.Popen", "os.exec", "os.posix_spawn"):  # as tests/sitecustomize.py hears them
             argv = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
             paths = [w for a in argv for w in str(a).split()]
         else:

@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 
-from . import compat, runtime
+from . import compat, optimizer, runtime
 from .checkpoint import per_rank_variables
 
 
@@ -43,6 +43,32 @@ def average_non_trainable(model):
         sums = _allreduce([tf.cast(v.value(), tf.float64) for v in variables], hvd.Sum)
         for v, total in zip(variables, sums):
             v.assign(tf.cast(total / world.size, v.dtype))
+
+
+def check_the_weights_agree(model, epoch: int):
+    """Stop a job whose ranks train apart, on every rank at once: the same weights give the same
+    fingerprint (sums of the trainable weights, in float64) on every rank. They differ when a step
+    applied gradients through an optimizer that does not average them (one the model keeps where
+    hvdtrain cannot find it: a list, a global); after an epoch of that, far beyond float rounding."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    variables = compat.tf_variables(model.trainable_variables)
+    if runtime.world().size == 1 or not variables:
+        return
+    values = [tf.cast(v.value(), tf.float64) for v in variables]
+    mine = tf.stack([tf.add_n([tf.reduce_sum(tf.abs(v)) for v in values]),
+                     tf.add_n([tf.reduce_sum(tf.square(v)) for v in values]),
+                     tf.add_n([tf.reduce_sum(v) for v in values])])
+    highest, lowest = (t.numpy() for t in _allreduce([mine, -mine], hvd.Max))
+    lowest = -lowest
+    if (highest - lowest).max() > 1e-9 * (abs(highest[0]) + 1e-30):
+        held = ", ".join(optimizer.found_in(model)) or "none"
+        raise runtime.UserError(
+            f"the workers' weights differ after epoch {epoch + 1}: the training step applied gradients that "
+            f"were not averaged. hvdtrain averages those of the optimizers {model.name} holds in its "
+            f"attributes ({held}); one held elsewhere (in a list, a global) trains each worker on its own: "
+            f"keep each optimizer in an attribute of the model")
 
 
 def combined_metrics(model, logs: dict) -> dict:
@@ -103,6 +129,7 @@ def _epoch_end_class(data):
                 self.progress.pause()
             logs = logs if logs is not None else {}
             average_non_trainable(self.model)
+            check_the_weights_agree(self.model, epoch)
             logs.update(combined_metrics(self.model, {k: v for k, v in logs.items()
                                                       if not k.startswith("val_")}))
             if data.val is not None:
@@ -111,7 +138,8 @@ def _epoch_end_class(data):
                 except Exception as e:  # noqa: BLE001 (re-raised, marked: train.fit_fixed says it was validation)
                     e.hvdtrain_validating_after_epoch = epoch + 1  # type: ignore[attr-defined]  # read by train.py
                     raise
-            logs["lr"] = float(self.model.optimizer.learning_rate.numpy())
+            if optimizer.compiled_trains(self.model):  # not a model's own optimizers'
+                logs["lr"] = float(self.model.optimizer.learning_rate.numpy())
 
         def _validate(self) -> dict:
             """This rank's part of the validation set, then the metrics of all parts together. A part
@@ -160,7 +188,7 @@ def _progress_class(cfg, data, world_size: int):
 
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch, self.t0 = epoch, time.perf_counter()
-            self.step0 = int(self.model.optimizer.iterations.numpy())
+            self.step0 = int(optimizer.steps(self.model).numpy())
             if self.every:
                 self.stop.clear()
                 self.thread = threading.Thread(target=self._report, daemon=True, name="hvdtrain-progress")
@@ -170,7 +198,7 @@ def _progress_class(cfg, data, world_size: int):
             last = (0, self.t0)  # the steps done, and when a step last finished
             while not self.stop.wait(self.every):
                 now = time.perf_counter()
-                done = int(self.model.optimizer.iterations.numpy()) - self.step0
+                done = int(optimizer.steps(self.model).numpy()) - self.step0
                 if done != last[0]:
                     last = (done, now)
                 quiet = now - last[1]
@@ -423,7 +451,7 @@ def following_the_learning_rate(learning_rate, batch_hooks: bool) -> tuple:
 
         def on_train_begin(self, logs=None):
             lr = self.model.optimizer.learning_rate  # what the first step will train at
-            lr.assign(tf.cast(learning_rate(self.model.optimizer.iterations), lr.dtype))
+            lr.assign(tf.cast(learning_rate(optimizer.steps(self.model)), lr.dtype))
 
         def on_epoch_begin(self, epoch, logs=None):
             self.seen = rate(self.model)

@@ -100,6 +100,15 @@ def sequence_epoch_ends_before_training() -> int:
     return 1 if keras3() else 0
 
 
+def lr_schedule(optimizer):
+    """The LearningRateSchedule an optimizer (or a LossScaleOptimizer's inner one) was made with, or
+    None: Keras 3's `learning_rate` gives the schedule's current value, not the schedule."""
+    import tensorflow as tf
+
+    lr = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None)
+    return lr if isinstance(lr, tf.keras.optimizers.schedules.LearningRateSchedule) else None
+
+
 def built_for(optimizer) -> list:
     """Keras 3: the variables an optimizer was built for, in the order `apply(grads)` takes them."""
     return optimizer._trainable_variables

@@ -14,13 +14,14 @@ from .runtime import log
 @dataclasses.dataclass(frozen=True)
 class Trainer:
     """What compile_for_training decided: for the fit loop, the summary and the log."""
-    learning_rate: optimizer.LearningRate | None  # None: a compiled schedule runs as is
+    learning_rate: optimizer.LearningRate | None  # the compiled optimizer's (None: optimizers of the model's own)
     optimizer: dict
     loss: str
     steps_per_execution: int
     notes: list
     callbacks: list  # the user's, those this rank runs
     per_batch: list  # the names of the user's callbacks that act per batch, on any rank
+    rates: dict  # every optimizer's LearningRate, by the model's attribute that holds it
 
     def peak_lr(self, cfg: Config, world) -> float | None:
         lr = self.optimizer["lr"]
@@ -39,6 +40,29 @@ def compile_for_training(model, cfg: Config, world: runtime.World, data, callbac
     # one stream across epochs (an infinite pipeline) has no epoch's end for a call to stop at
     plan = models.compile_plan(model, cfg, data.steps_per_epoch if data.epoch is None else None, bool(per_batch))
     _xla_only_where_horovod_has_it(plan, cfg, world)
+    own = own_compile(model)
+    if own:
+        info, rates, notes = _keep_own_compile(model, cfg, plan, own)
+    else:
+        info, rates, notes = _compile_with_distributed_optimizer(model, cfg, plan)
+    cfg = dataclasses.replace(cfg, lr=info["lr"] if info["lr"] is not None else cfg.lr)
+    _refuse_data_without_targets(model, data.element_spec)
+    _build_model(model, data.element_spec)
+    optimizer.TrainStep(model, cfg, world, rates, None if own else _sparse_classes(
+        model, plan.kwargs["loss"], data.element_spec), own_counter=bool(own)).install()
+    log.info("%s: loss %s; %s from %s, lr %s for one worker; %d step(s) per call", model.name, plan.loss,
+             info["class"], info["source"], "a schedule" if info["schedule"] else
+             "each its own" if info["lr"] is None else f"{info['lr']:g}",
+             plan.steps_per_execution)
+    _build_loss_and_metrics(model, data.element_spec)
+    runtime.same_on_every_rank(_decisions(model, cfg, data, plan, per_batch), f"{model.name}'s training step")
+    return cfg, Trainer(rates.get("optimizer"), info, plan.loss, plan.steps_per_execution, plan.notes + notes,
+                        callbacks_lib.for_this_rank(callbacks, world.is_chief), per_batch, rates)
+
+
+def _compile_with_distributed_optimizer(model, cfg: Config, plan):
+    """Keras' own compile, called again with the optimizer chosen, scaled and wrapped: (what the
+    optimizer is, {"optimizer": its LearningRate}, notes)."""
     again = optimizer.made(plan.optimizer)  # fit() again, not compiled since: Keras' optimizer goes on
     if again is not None and again.settings == optimizer.settings(cfg):
         dist, info, notes = plan.optimizer, again.info, []
@@ -49,22 +73,71 @@ def compile_for_training(model, cfg: Config, world: runtime.World, data, callbac
             notes.append("this fit() changes the optimizer's settings: its state (slots, step) starts afresh")
         dist = optimizer.distributed(opt, cfg)
         optimizer.remember(dist, compiled, cfg, info)
-    cfg = dataclasses.replace(cfg, lr=info["lr"] if info["lr"] is not None else cfg.lr)
     model.compile(optimizer=dist, **plan.kwargs)
+    _calls_as_planned(model, plan)
+    return info, {"optimizer": optimizer.LearningRate(cfg, info["lr"], info["schedule"])}, notes
+
+
+def _calls_as_planned(model, plan):
     model.autotune_steps_per_execution = False  # Keras' compile leaves a user's "auto" tuner on
     model.steps_per_execution = plan.steps_per_execution  # the compile config keeps the user's own
-    learning_rate = optimizer.LearningRate(cfg, info["lr"]) if info["lr"] is not None else None
-    _refuse_data_without_targets(model, data.element_spec)
-    _build_model(model, data.element_spec)
-    optimizer.TrainStep(model, cfg, world, learning_rate,
-                        _sparse_classes(model, plan.kwargs["loss"], data.element_spec)).install()
-    log.info("%s: loss %s; %s from %s, lr %s for one worker; %d step(s) per call", model.name, plan.loss,
-             info["class"], info["source"], "a schedule" if info["lr"] is None else f"{info['lr']:g}",
-             plan.steps_per_execution)
-    _build_loss_and_metrics(model, data.element_spec)
-    runtime.same_on_every_rank(_decisions(model, cfg, data, plan, per_batch), f"{model.name}'s training step")
-    return cfg, Trainer(learning_rate, info, plan.loss, plan.steps_per_execution, plan.notes + notes,
-                        callbacks_lib.for_this_rank(callbacks, world.is_chief), per_batch)
+
+
+def own_compile(model) -> dict:
+    """The optimizers of a model that keeps its compile as written: {attribute: optimizer}, or {}
+    for a model compiled with Keras' compile(optimizer=...) and one optimizer. A compile of its own
+    that takes no `optimizer` (keras.io's GAN: compile(d_optimizer, g_optimizer, loss_fn)), or
+    optimizers beside the compiled one, cannot be compiled again with one distributed optimizer."""
+    import inspect
+
+    found = optimizer.found_in(model)
+    params = inspect.signature(model.compile).parameters
+    takes_optimizer = "optimizer" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return found if not takes_optimizer or set(found) - {"optimizer"} else {}
+
+
+FLAGS_OF_COMPILE = ("optimizer", "lr", "loss", "metrics", "clip_norm")
+
+
+def _keep_own_compile(model, cfg: Config, plan, found: dict):
+    """A model with its own compile or several optimizers trains as compiled: every optimizer it
+    holds is replaced by its distributed copy (the same class and settings, its updates averaged),
+    each at the learning rate's rule. A step that applies gradients through an optimizer held
+    elsewhere trains each rank on its own: callbacks.EpochEnd's check of the weights stops it."""
+    names = ", ".join(found)
+    flags = [f"--{k.replace('_', '-')}" for k in FLAGS_OF_COMPILE if getattr(cfg, k)]
+    if cfg.backward_passes_per_step > 1:
+        flags.append("--backward-passes-per-step")
+    if flags:
+        raise UserError(f"{' '.join(flags)}: {model.name} has its own compile and optimizers ({names}), "
+                        f"which hvdtrain keeps as written; set these in your compile")
+    if not found:  # (one that is found but never steps, the check at every epoch's end stops)
+        raise UserError(f"{model.name} has its own compile, and hvdtrain found no optimizer among its "
+                        f"attributes to average the gradients of; keep each optimizer in an attribute "
+                        f"of the model (self.d_optimizer = d_optimizer)")
+    rates, notes, infos = {}, [], []
+    for name, opt in found.items():
+        again = optimizer.made(opt)
+        if again is not None and again.settings == optimizer.settings(cfg):
+            info = again.info
+        else:
+            compiled = again.compiled if again is not None else opt
+            plain, info, said = optimizer.choose(cfg, compiled)
+            notes += [f"{name}: {n}" for n in said]
+            dist = optimizer.distributed(plain, cfg, loss_scale=False)
+            optimizer.remember(dist, compiled, cfg, info)
+            setattr(model, name, dist)
+        rates[name] = optimizer.LearningRate(cfg, info["lr"], info["schedule"])
+        infos.append(f"{name} ({info['class']})")
+    _calls_as_planned(model, plan)
+    if compat.keras3():
+        model.jit_compile = plan.kwargs["jit_compile"]
+    own = [i for i in infos if not i.startswith("optimizer ")] or infos  # not Keras' default, unused
+    notes.append(f"{model.name} keeps its own compile: its optimizers {', '.join(own)} average their "
+                 f"gradients over the workers, each at its learning rate's rule")
+    first = found.get("optimizer") and len(found) == 1
+    return {**(info if first else {"class": ", ".join(own), "lr": None, "schedule": None, "config": {}}),
+            "source": "its own compile"}, rates, notes
 
 
 def _decisions(model, cfg: Config, data, plan, per_batch: list) -> dict:
@@ -136,7 +209,11 @@ def _build_model(model, element_spec):
     are broadcast and the optimizer's slots built, as plain Keras builds it before its first step."""
     import tensorflow as tf
 
-    if model.built and model.weights:
+    if model.weights:
+        # a model that holds built models and has no call() (keras.io's GAN) has nothing of its own
+        # to build: marked built, as Keras' Layer.build marks a layer without weights, so that its
+        # weights can be saved (Keras 3 refuses to save a model not marked built)
+        model.built = True
         return
     x, _, _ = _zeros_like(element_spec)
     try:

@@ -47,7 +47,7 @@ def choose(cfg: Config, compiled=None):
     """
     import tensorflow as tf
 
-    notes = []
+    notes, schedule = [], None
     if compiled is not None and not isinstance(compiled, tf.keras.optimizers.Optimizer):
         compiled = tf.keras.optimizers.get(compiled)  # compile(optimizer="sgd")
     if cfg.optimizer:
@@ -57,13 +57,19 @@ def choose(cfg: Config, compiled=None):
                          f"{type(compiled).__name__}")
     elif compiled is not None:
         config = compiled.get_config()
-        if cfg.lr is not None:
-            if _is_schedule(config.get("learning_rate")):
+        schedule = compat.lr_schedule(compiled)
+        if schedule is not None:
+            if cfg.lr is not None:
                 raise UserError("--lr: the model's compiled optimizer has a learning-rate schedule; "
                                 "leave --lr out or drop the schedule")
+            if cfg.lr_schedule != "constant":
+                raise UserError(f"--lr-schedule {cfg.lr_schedule}: the model's compiled optimizer has a "
+                                f"learning-rate schedule ({type(schedule).__name__}); leave one of them out")
+            _set_lr(config, float(schedule(0)))  # a variable, which TrainStep sets from the schedule
+        elif cfg.lr is not None:
             notes.append(f"--lr {cfg.lr:g} replaces the compiled learning rate "
-                         f"{float(config['learning_rate']):g}")
-            config["learning_rate"] = cfg.lr
+                         f"{float(_get_lr(config)):g}")
+            _set_lr(config, cfg.lr)
         opt, source = type(compiled).from_config(config), "model.compile"
     else:
         opt, source = _named(DEFAULT_OPTIMIZER, cfg.lr or DEFAULT_LR), "default"
@@ -73,21 +79,27 @@ def choose(cfg: Config, compiled=None):
             opt.clipnorm = opt.clipvalue = None
         opt.global_clipnorm = cfg.clip_norm  # applied in apply_gradients: to the averaged gradient
     config = opt.get_config()
-    schedule = _is_schedule(config.get("learning_rate"))
-    info = {"class": type(opt).__name__, "source": source,
-            "lr": None if schedule else float(config["learning_rate"]),
+    info = {"class": type(opt).__name__, "source": source, "lr": float(_get_lr(config)),
+            "schedule": schedule,
             "config": {k: v for k, v in config.items() if isinstance(v, (int, float, bool, str, type(None)))}}
-    if schedule:
-        notes.append(f"the compiled optimizer's learning rate is a schedule "
-                     f"({config['learning_rate'].get('class_name')}): it runs as compiled, not scaled "
-                     f"by the number of workers, and --warmup-epochs/--lr-schedule do not apply")
+    if schedule is not None:
+        notes.append(f"the compiled learning rate is a schedule ({type(schedule).__name__}); {SCHEDULE_RULE}")
     return opt, info, notes
 
 
-def _is_schedule(lr) -> bool:
-    import tensorflow as tf
+# hvdtrain's one rule for a learning-rate schedule, said at start and in docs/python-api.md
+SCHEDULE_RULE = ("it counts one worker's steps (N workers' step is N of them), so it ends where plain Keras' "
+                 "does, and is scaled by the workers after the warm-up, as a constant rate is")
 
-    return isinstance(lr, (dict, tf.keras.optimizers.schedules.LearningRateSchedule))
+
+def _get_lr(config: dict):
+    """The learning rate in an optimizer's config (under a LossScaleOptimizer: its inner one's)."""
+    return config["inner_optimizer"]["config"]["learning_rate"] if "inner_optimizer" in config \
+        else config["learning_rate"]
+
+
+def _set_lr(config: dict, lr: float):
+    (config["inner_optimizer"]["config"] if "inner_optimizer" in config else config)["learning_rate"] = lr
 
 
 # the config fields a distributed optimizer is made from
@@ -128,11 +140,22 @@ def remember(dist, compiled, cfg: Config, info: dict):
     _MADE[dist] = Made(compiled, settings(cfg), info)
 
 
-def distributed(opt, cfg: Config):
+def found_in(model) -> dict:
+    """The optimizers a model holds in its own attributes, by name: Keras' compiled `optimizer`, and
+    those of a model with its own compile (keras.io's GAN keeps `d_optimizer` and `g_optimizer`)."""
+    import tensorflow as tf
+
+    return {name: value for name, value in vars(model).items()
+            if isinstance(value, tf.keras.optimizers.Optimizer) and not name.startswith("_")}
+
+
+def distributed(opt, cfg: Config, loss_scale: bool = True):
     """`opt` whose updates average the gradients over the workers first: Horovod's
-    DistributedOptimizer on Keras 2 (Adasum keeps `opt`: see TrainStep), on Keras 3 `Distributed`."""
+    DistributedOptimizer on Keras 2 (Adasum keeps `opt`: see TrainStep), on Keras 3 `Distributed`.
+    loss_scale: under mixed_float16, Keras 3's optimizer is put in a LossScaleOptimizer, as Keras'
+    compile does (False for a step of the user's own, which scales its loss itself or not at all)."""
     if compat.keras3():
-        return _distributed_keras3(opt, cfg)
+        return _distributed_keras3(opt, cfg, loss_scale)
     import horovod.tensorflow as hvd_ops
     import horovod.tensorflow.keras as hvd
 
@@ -151,7 +174,7 @@ def distributed(opt, cfg: Config):
     return dist
 
 
-def _distributed_keras3(opt, cfg: Config):
+def _distributed_keras3(opt, cfg: Config, loss_scale: bool = True):
     """The Keras 3 distributed optimizer: the user's own optimizer class, whose `apply` first averages
     the gradients over the workers with Horovod's gradient allreduce (the one its Keras 2
     DistributedOptimizer uses: groups, fp16 compression, sparse gradients, Adasum).
@@ -169,7 +192,7 @@ def _distributed_keras3(opt, cfg: Config):
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
-    if tf.keras.mixed_precision.global_policy().name == "mixed_float16" and \
+    if loss_scale and tf.keras.mixed_precision.global_policy().name == "mixed_float16" and \
             not isinstance(opt, tf.keras.optimizers.LossScaleOptimizer):
         opt = tf.keras.optimizers.LossScaleOptimizer(opt)
     config = opt.get_config()
@@ -329,49 +352,64 @@ def _vocabulary(layer) -> tuple:
 
 
 class LearningRate:
-    """The learning rate at a step, computed in the graph: the one-worker lr, warmed up linearly to
-    lr x multiplier over --warmup-epochs, then constant, stepped or cosine-decayed by epoch, times what
-    the user's callbacks multiplied it by. What Horovod's LearningRateWarmupCallback and
+    """The learning rate at a step, computed in the graph: the one-worker rate (a constant, or the
+    compiled schedule at the step one worker would be at: SCHEDULE_RULE), warmed up linearly to
+    rate x multiplier over --warmup-epochs, then constant, stepped or cosine-decayed by epoch, times
+    what the user's callbacks multiplied it by. What Horovod's LearningRateWarmupCallback and
     LearningRateScheduleCallback do from Python every batch.
 
-    Where the run stands (first epoch, its first step, steps per epoch, the multiplier) lives in
-    variables that `start` sets, so a resumed or re-sharded (elastic) run continues the same curve.
+    Where the run stands (first epoch, its first step, steps per epoch, workers, the multiplier)
+    lives in variables that `start` sets, so a resumed or re-sharded (elastic) run continues the
+    same curve.
     """
 
-    def __init__(self, cfg: Config, lr: float):
+    def __init__(self, cfg: Config, lr: float, schedule=None):
         import tensorflow as tf
 
-        self.cfg, self.lr = cfg, lr
+        self.cfg, self.lr, self.schedule = cfg, lr, schedule
         with tf.init_scope():
             self.multiplier = tf.Variable(1.0, dtype=tf.float64, trainable=False)
             self.epoch0 = tf.Variable(0.0, dtype=tf.float64, trainable=False)
             self.step0 = tf.Variable(0, dtype=tf.int64, trainable=False)
             self.steps_per_epoch = tf.Variable(1.0, dtype=tf.float64, trainable=False)
+            self.workers = tf.Variable(1.0, dtype=tf.float64, trainable=False)
             # what the user's callbacks multiplied the rate by (callbacks.following_the_learning_rate)
             self.factor = tf.Variable(1.0, dtype=tf.float64, trainable=False)
 
-    def start(self, multiplier: float, epoch: float, step, steps_per_epoch: int):
-        """Training (re)starts at `epoch` (fractional within an epoch) when the optimizer's step
-        counter reads `step`."""
+    def start(self, multiplier: float, epoch: float, step, steps_per_epoch: int, workers: int):
+        """Training (re)starts at `epoch` (fractional within an epoch) when the step counter reads
+        `step`, with `workers` workers."""
         self.multiplier.assign(multiplier)
         self.epoch0.assign(epoch)
         self.step0.assign(int(step))
         self.steps_per_epoch.assign(steps_per_epoch)
+        self.workers.assign(workers)
 
     def epoch(self, step):
-        """Epochs done (fractional) at the optimizer's step counter `step`."""
+        """Epochs done (fractional) at the step counter `step`."""
         import tensorflow as tf
 
         return self.epoch0 + tf.cast(step - self.step0, tf.float64) / self.steps_per_epoch
+
+    def one_worker(self, step):
+        """The rate of one worker at the step counter `step`: the constant, or the schedule at the
+        step one worker would be at (N workers' epoch is N times as many one-worker steps)."""
+        import tensorflow as tf
+
+        if self.schedule is None:
+            return tf.constant(self.lr, tf.float64)
+        steps = tf.round(self.epoch(step) * self.steps_per_epoch * self.workers)
+        return tf.cast(self.schedule(tf.cast(steps, tf.int64)), tf.float64)
 
     def __call__(self, step):
         import tensorflow as tf
 
         cfg, e = self.cfg, self.epoch(step)
-        peak = self.lr * self.multiplier
+        base = self.one_worker(step)
+        peak = base * self.multiplier
         lr = peak
         if cfg.warmup_epochs > 0:
-            ramp = self.lr * (1 + (self.multiplier - 1) * tf.minimum(e / cfg.warmup_epochs, 1.0))
+            ramp = base * (1 + (self.multiplier - 1) * tf.minimum(e / cfg.warmup_epochs, 1.0))
             lr = tf.where(e < cfg.warmup_epochs, ramp, peak)
         start = cfg.warmup_epochs
         if cfg.lr_schedule == "cosine":
@@ -435,30 +473,58 @@ class TrainStep:
     It keeps the model's own step, so a later fit() puts a new TrainStep around that same step.
     """
 
-    def __init__(self, model, cfg: Config, world: runtime.World, learning_rate, classes: int | None = None):
+    def __init__(self, model, cfg: Config, world: runtime.World, rates: dict, classes: int | None = None,
+                 own_counter: bool = False):
+        """rates: {the model's attribute holding an optimizer: its LearningRate}. own_counter: the
+        steps are counted here, not by the compiled optimizer (a model with optimizers of its own,
+        whose compiled one may never step)."""
+        import tensorflow as tf
+
         if cfg.reduction == "adasum":
             check_adasum(model, cfg, world)
         own = model.train_step
-        self.model, self.learning_rate, self.cfg, self.classes = model, learning_rate, cfg, classes
+        self.model, self.rates, self.cfg, self.classes = model, rates, cfg, classes
         self.own: typing.Callable = own.own if isinstance(own, TrainStep) else own
         self.step = self._adasum if cfg.reduction == "adasum" and not compat.keras3() else self.own
+        self.counter = None
+        if own_counter:
+            with tf.init_scope():
+                self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvdtrain_steps")
 
     def install(self):
         self.model.train_step = self
 
+    def steps(self):
+        """The variable that counts the training steps."""
+        return self.counter if self.counter is not None else self.model.optimizer.iterations
+
     def __call__(self, data):
         import tensorflow as tf
 
-        optimizer = self.model.optimizer
-        step = tf.identity(optimizer.iterations)  # before this step's update increments it
-        if self.learning_rate is not None:
-            optimizer.learning_rate.assign(tf.cast(self.learning_rate(step), optimizer.learning_rate.dtype))
+        step = tf.identity(self.steps())  # before this step's update increments it
+        for name, rate in self.rates.items():
+            opt = getattr(self.model, name)
+            opt.learning_rate.assign(tf.cast(rate(step), opt.learning_rate.dtype))
         if self.classes:
             data = self._labels_checked(data)
         logs = self.step(data)
         total = tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32)) for w in self.model.trainable_variables])
         tf.debugging.Assert(tf.math.is_finite(total), [NONFINITE, step])
+        if self.counter is not None:
+            self.counter.assign_add(1)
         return logs
+
+
+def compiled_trains(model) -> bool:
+    """Whether the model's compiled optimizer is the one that trains (not a model's own optimizers)."""
+    step = model.train_step
+    return not isinstance(step, TrainStep) or step.counter is None
+
+
+def steps(model):
+    """The variable that counts a model's training steps under hvdtrain (TrainStep.steps)."""
+    step = model.train_step
+    return step.steps() if isinstance(step, TrainStep) else model.optimizer.iterations
 
     def _labels_checked(self, data):
         """The step's data, its labels asserted within the sparse loss's classes before any op reads them:
@@ -471,7 +537,7 @@ class TrainStep:
         bad = tf.logical_or(labels < 0, labels >= self.classes)
         first = tf.gather(labels, tf.argmax(tf.cast(bad, tf.int32)))
         check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [LABEL_OUT_OF_RANGE, first, self.classes,
-                                                                        AT_STEP, self.model.optimizer.iterations])
+                                                                        AT_STEP, self.steps()])
         with tf.control_dependencies([check]):
             y = tf.identity(y)
         return tf.keras.utils.pack_x_y_sample_weight(x, y, w)

@@ -269,10 +269,9 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
     callbacks = keras_callbacks(cfg, data, world, trainer, saver, epoch_end, progress, extra_callbacks)
     if cfg.preemption_signals and not cfg.elastic and preemption.usable(world):
         callbacks.append(preemption.watcher(ckpts, data.steps_per_epoch, first_epoch, first_step))
-    iteration = int(model.optimizer.iterations.numpy()) - first_step  # at the start of first_epoch
-    if trainer.learning_rate is not None:
-        trainer.learning_rate.start(optimizer.lr_multiplier(cfg, world), first_epoch, iteration,
-                                    data.steps_per_epoch)
+    iteration = int(optimizer.steps(model).numpy()) - first_step  # at the start of first_epoch
+    for rate in trainer.rates.values():
+        rate.start(optimizer.lr_multiplier(cfg, world), first_epoch, iteration, data.steps_per_epoch, world.size)
     parts, class_weight = [], cfg.class_weights()
     try:
         if first_step:  # the rest of a resumed epoch: Keras' epochs all have one length
@@ -345,7 +344,7 @@ def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, trainer: Tr
     timeline.first_epoch, timeline.first_step = first_epoch, first_step
     dog = watchdog.Watchdog(cfg, world, resume_point=lambda: ckpts.last_saved,
                             facts={"steps per call": trainer.steps_per_execution})
-    iteration = int(model.optimizer.iterations.numpy()) - first_step
+    iteration = int(optimizer.steps(model).numpy()) - first_step
     try:
         return fit_on_shard(cfg, model, data, world, ckpts, first_epoch, trainer, first_step=first_step)
     except (optimizer.NonFiniteUpdate, UserError, KeyboardInterrupt, preemption.Preempted):
@@ -353,7 +352,7 @@ def fit_fixed(cfg: Config, model, data, world: runtime.World, ckpts, trainer: Tr
     except Exception as e:  # noqa: BLE001 (any failed step is explained in one line, then raised)
         dog.on_failure()  # a hung peer's silence explains it: the watchdog names it
         failed = optimizer.failed_step(e)  # the step a check of TrainStep names, else Keras' count
-        done = (failed if failed is not None else int(model.optimizer.iterations.numpy())) - iteration
+        done = (failed if failed is not None else int(optimizer.steps(model).numpy())) - iteration
         after = getattr(e, "hvdtrain_validating_after_epoch", None)  # set by callbacks.EpochEnd
         what, where = ("validation", f"after epoch {after}") if after else (
             "the training step",

@@ -6,6 +6,8 @@
     summary = hvdtrain.fit(model, my_dataset, epochs=10, output_dir="runs/mine")
 
 The same code path as `python -m hvdtrain`; run the script with python, horovodrun or mpirun.
+A loop of your own takes the same steps: hvdtrain.init(), hvdtrain.DistributedOptimizer(opt),
+hvdtrain.broadcast(model, opt), hvdtrain.shard(dataset), and world.is_chief for rank 0's side effects.
 """
 __version__ = "0.1.0"
 
@@ -16,6 +18,6 @@ _set_fast_defaults()  # read once by TensorFlow and MPI: before the user's scrip
 from .callbacks import on_rank0  # noqa: E402
 from .config import UserError  # noqa: E402
 from .data import DataContext  # noqa: E402
-from .train import fit, init  # noqa: E402
+from .train import DistributedOptimizer, broadcast, fit, init, shard  # noqa: E402
 
-__all__ = ["init", "fit", "on_rank0", "DataContext", "UserError"]
+__all__ = ["init", "fit", "DistributedOptimizer", "broadcast", "shard", "on_rank0", "DataContext", "UserError"]

@@ -108,7 +108,8 @@ class Config:
     reduction: str = _f("average", "gradient reduction: average (ring-allreduce) or adasum")
     sparse_as_dense: bool = _f(False, "allreduce sparse gradients (embeddings) as dense tensors")
     clip_norm: Optional[float] = _f(None, "clip the averaged gradient to this global norm")
-    precision: str = _f("float32", f"compute precision: {', '.join(PRECISIONS)}")
+    precision: Optional[str] = _f(None, f"compute precision: {', '.join(PRECISIONS)}; default: the "
+                                        f"Keras global policy the script set, else float32")
     # learning-rate schedule after warm-up
     lr_schedule: str = _f("constant", f"after warm-up: {', '.join(SCHEDULES)}")
     lr_decay_epochs: Tuple[int, ...] = _f((), "step schedule: epochs at which the lr is multiplied by "
@@ -184,7 +185,7 @@ class Config:
                 raise UserError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         for name, allowed in (("compression", ("none", "fp16")), ("reduction", ("average", "adasum")),
                               ("precision", PRECISIONS), ("lr_schedule", SCHEDULES)):
-            if getattr(self, name) not in allowed:
+            if getattr(self, name) not in allowed and not (name == "precision" and self.precision is None):
                 raise UserError(f"--{_flag(name)} must be one of {', '.join(allowed)}, "
                                 f"got {getattr(self, name)!r}")
         if self.clip_norm is not None and not self.clip_norm > 0:
@@ -327,9 +328,27 @@ def load(argv=None) -> Config:
     return from_dict(values).validate()
 
 
-# Keras fit() arguments a user may bring, and what to use here instead
-_KERAS_FIT = {
-    "validation_split": "Keras' validation_split is val_split here (held out by position)",
+# Keras fit() keywords that hvdtrain.fit cannot take with Keras' meaning, and why (the others it takes:
+# docs/python-api.md "Keras' fit keywords"; validation_split is hvdtrain.fit's own keyword)
+KERAS_FIT_REFUSED = {
+    "x": "hvdtrain.fit(model, data): pass x and y as data=(x, y)",
+    "y": "hvdtrain.fit(model, data): pass x and y as data=(x, y)",
+    "sample_weight": "sample_weight: give the weights in the data, a tf.data.Dataset of (x, y, "
+                     "sample_weight), so that each worker's shard keeps its own",
+    "initial_epoch": "initial_epoch: hvdtrain resumes from its own checkpoints in output_dir, at the epoch "
+                     "and step they were saved at; a run without them starts at epoch 1",
+    "validation_steps": "validation_steps: every worker evaluates its shard of the whole validation set, so "
+                        "the metrics are those of all of it; give a smaller validation set instead",
+    "validation_batch_size": "validation_batch_size: the validation set is evaluated at batch_size; batch "
+                             "it yourself in a tf.data.Dataset to choose",
+    "validation_freq": "validation_freq: hvdtrain validates after every epoch, where the workers agree on "
+                       "their metrics; give no validation data to skip it",
+    "max_queue_size": "max_queue_size, workers, use_multiprocessing: Keras 3 has none (a PyDataset takes "
+                      "workers= itself); hvdtrain reads a Sequence with its own order per worker",
+    "workers": "max_queue_size, workers, use_multiprocessing: Keras 3 has none (a PyDataset takes "
+               "workers= itself); hvdtrain reads a Sequence with its own order per worker",
+    "use_multiprocessing": "max_queue_size, workers, use_multiprocessing: Keras 3 has none (a PyDataset takes "
+                           "workers= itself); hvdtrain reads a Sequence with its own order per worker",
 }
 
 
@@ -338,8 +357,8 @@ def from_dict(values: dict) -> Config:
     kwargs = {}
     for key, value in values.items():
         name = key.replace("-", "_")
-        if name in _KERAS_FIT:
-            raise UserError(_KERAS_FIT[name])
+        if name in KERAS_FIT_REFUSED:
+            raise UserError(KERAS_FIT_REFUSED[name])
         if name not in HINTS:
             raise UserError(f"unknown config key {key!r}; known keys: {', '.join(sorted(HINTS))}")
         try:

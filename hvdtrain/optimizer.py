@@ -284,18 +284,19 @@ def check_adasum(model, cfg: Config, world: runtime.World):
         raise UserError("--reduction adasum replaces the model's train_step; this model has its own")
 
 
-def build(model):
+def build(model, opt=None):
     """Create the optimizer's slots now (Keras creates them at the first step), so that a checkpoint
-    can be restored into them and they can be broadcast before training starts."""
+    can be restored into them and they can be broadcast before training starts. opt: the model's
+    compiled optimizer when None."""
+    opt = model.optimizer if opt is None else opt
     if compat.keras3():  # its LossScaleOptimizer builds its inner optimizer and its own scale
-        if not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
+        if not opt.built:
+            opt.build(model.trainable_variables)
         return
-    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # under a LossScaleOptimizer
-    optimizer.build(model.trainable_variables)
+    getattr(opt, "inner_optimizer", opt).build(model.trainable_variables)  # under a LossScaleOptimizer
 
 
-def broadcast_initial_state(model, root_rank: int = 0):
+def broadcast_initial_state(model, opt=None, root_rank: int = 0):
     """Give every rank rank 0's weights and optimizer slots before the first step.
 
     Horovod's BroadcastGlobalVariablesCallback broadcasts after the first batch, so that first update
@@ -304,7 +305,8 @@ def broadcast_initial_state(model, root_rank: int = 0):
     """
     import horovod.tensorflow as hvd
 
-    build(model)
+    opt = model.optimizer if opt is None else opt
+    build(model, opt)
     if hvd.size() > 1:
         # Horovod broadcasts the variables one by one, in order: a rank that built its model otherwise
         # (a branch on the rank) would send other shapes, or wait for tensors never sent. Keras 2's
@@ -323,7 +325,12 @@ def broadcast_initial_state(model, root_rank: int = 0):
             for layer, vocab in zip(lookups, hvd.broadcast_object(mine, root_rank=root_rank, name="hvdtrain.vocab")):
                 layer.set_vocabulary(*vocab)
         hvd.broadcast_variables(compat.tf_variables(model.variables), root_rank=root_rank)
-        hvd.broadcast_variables(compat.tf_variables(model.optimizer.variables), root_rank=root_rank)
+        hvd.broadcast_variables(compat.tf_variables(_variables_of(opt)), root_rank=root_rank)
+
+
+def _variables_of(opt) -> list:
+    """An optimizer's variables: a property on Keras 3, a method on Keras 2's optimizers."""
+    return opt.variables() if callable(opt.variables) else opt.variables
 
 
 def lookup_layers(model) -> list:

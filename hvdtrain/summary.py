@@ -67,7 +67,7 @@ def finish(cfg: Config, model, data, trainer, ckpts, history, epoch_end, timelin
         "training_started_at": slowest(timeline.started_at),  # time.time()
         "checkpoint_save_s": ckpts.save_seconds,  # rank 0's: the others wait for it at the next step
         "weights_sha256_by_rank": runtime.gather(weights_sha256(model)),
-        "precision": {"policy": _policy(), "loss_scaling": _loss_scaling(model)},
+        "precision": {"policy": _policy(model), "loss_scaling": _loss_scaling(model)},
         "elastic_rounds": timeline.rounds,
         "runtime_env": runtime.applied_defaults(),
         "stack": compat.stack(),  # Python, TensorFlow, Keras, numpy
@@ -85,16 +85,15 @@ def weights_sha256(model) -> str:
     return h.hexdigest()
 
 
-def _policy() -> str:
-    import tensorflow as tf
-
-    return tf.keras.mixed_precision.global_policy().name
+def _policy(model) -> str:
+    """The policy the model's layers compute in (the global policy when they were made)."""
+    return model.dtype_policy.name
 
 
 def _loss_scaling(model) -> bool:
     import tensorflow as tf
 
-    return isinstance(model.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
+    return any(isinstance(o, tf.keras.mixed_precision.LossScaleOptimizer) for o in optimizer.found_in(model).values())
 
 
 def export_model(model, run_dir: str) -> str:

@@ -42,7 +42,52 @@ def init(**config) -> runtime.World:
     """hvd.init(), pin this worker's GPU (or CPU threads), seed, precision: call it before building
     the model. Takes the same keys as hvdtrain.fit (threads, seed, precision, Horovod's knobs...)."""
     runtime.report_errors_once()
-    return start(config_lib.from_dict(config).validate(model_object=True, data_object=True))
+    cfg = config_lib.from_dict(config).validate(model_object=True, data_object=True)
+    world = start(cfg)
+    set_precision(cfg.precision)
+    return world
+
+
+# ---------------------------------------------------------------- a loop of your own, in Horovod's steps
+
+def DistributedOptimizer(opt, **config):  # noqa: N802 (named as Horovod's, which it stands for)
+    """`opt` (a Keras optimizer) whose apply_gradients averages the gradients over the workers first:
+    the same class and settings, as fit() trains with. For a loop of your own, after hvdtrain.init():
+
+        opt = hvdtrain.DistributedOptimizer(keras.optimizers.Adam(1e-3 * world.size))
+        ... grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))   # averaged, then applied
+
+    config: the keys that shape the allreduce (compression, sparse_as_dense, allreduce_groups,
+    reduction). Works on Keras 3, where Horovod's own DistributedGradientTape and Keras optimizer fail."""
+    runtime.report_errors_once()
+    cfg = config_lib.from_dict(config).validate(model_object=True, data_object=True)
+    if cfg.backward_passes_per_step > 1:
+        raise UserError("DistributedOptimizer: backward_passes_per_step is fit()'s; accumulate in your loop")
+    _after_init("DistributedOptimizer")
+    return optimizer.distributed(opt, cfg, loss_scale=False)
+
+
+def broadcast(model, opt=None, root_rank: int = 0):
+    """Every worker starts from rank 0's model weights and optimizer state (its slots built now, so
+    the first step is already in step): call it once, after building both, before the first step."""
+    runtime.report_errors_once()
+    _after_init("broadcast")
+    optimizer.broadcast_initial_state(model, opt, root_rank)
+
+
+def shard(dataset):
+    """This worker's part of `dataset` (before batching): by file where it reads files and every
+    worker gets one, else every size-th element, as fit() shards a pipeline."""
+    world = _after_init("shard")
+    return data_lib.shard(dataset, world.rank, world.size)[0]
+
+
+def _after_init(what: str) -> runtime.World:
+    world = runtime.world()
+    if not world.device:  # set by hvdtrain.init()
+        raise UserError(f"hvdtrain.{what}: call hvdtrain.init() first, before building the model")
+    return world
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +100,7 @@ class Given:
     callbacks: object = None
 
 
-def fit(model, data, validation_data=None, callbacks=None, **config) -> dict:
+def fit(model, data, validation_data=None, callbacks=None, validation_split=0.0, **config) -> dict:
     """Train `model` on `data` across the job's workers, as `python -m hvdtrain` would; returns the
     summary (rank 0 also writes it, with the model and checkpoints, under output_dir).
 
@@ -65,12 +110,16 @@ def fit(model, data, validation_data=None, callbacks=None, **config) -> dict:
     callbacks: Keras callbacks, as model.fit takes them: they see the metrics of all workers; the
         ones that write files run on rank 0 (hvdtrain.on_rank0 marks your own); a change they make to
         the learning rate trains.
+    validation_split: as Keras' fit takes it, for (x, y) arrays: the last fraction held out, before
+        any shuffling (validation_data, if given, is used instead, as in Keras).
     config: any of `python -m hvdtrain --help`'s fields (epochs=5, batch_size=64, output_dir=...).
     """
     runtime.report_errors_once()
     for key in ("model", "data", "config"):
         if key in config:
             raise UserError(f"hvdtrain.fit: pass {key} positionally, not as a config key")
+    if validation_split and validation_data is None:
+        data, validation_data = data_lib.last_fraction(data, validation_split)
     model_object, data_object = not isinstance(model, str), not isinstance(data, str)
     if isinstance(callbacks, str):  # "module:function", as --callbacks takes it
         config["callbacks"], callbacks = callbacks, None
@@ -100,15 +149,39 @@ def _label(obj) -> str:
 # ---------------------------------------------------------------- the recipe
 
 def start(cfg: Config) -> runtime.World:
-    """Step 1, everything before a model is built: hvd.init, pinning, seed, precision."""
+    """Step 1, everything before a model is built: hvd.init, pinning, seed (the precision: set_precision)."""
     import tensorflow as tf
 
     world = runtime.init(cfg.threads, cfg.horovod_env())
     tf.keras.utils.set_random_seed(cfg.seed)
     if cfg.deterministic:
         tf.config.experimental.enable_op_determinism()
-    tf.keras.mixed_precision.set_global_policy(cfg.precision)
     return world
+
+
+_FIT_SET: list = []  # (the policy a fit()'s --precision set, the one before it): for that fit() alone
+
+
+def set_precision(asked: str | None, for_one_fit: bool = False) -> str:
+    """The Keras global policy to train in: the one the script set (Keras' mixed-precision guide sets
+    it at the top, before hvdtrain.init()) is kept; --precision sets one where the script set none,
+    and is refused where the script set another. A fit()'s own --precision holds for that fit (as
+    for `python -m hvdtrain`); init()'s, as the script's own. Returns the policy's name."""
+    import tensorflow as tf
+
+    now = tf.keras.mixed_precision.global_policy().name
+    if _FIT_SET and _FIT_SET[-1][0] == now:  # a former fit()'s own: the script's comes back
+        now = _FIT_SET.pop()[1]
+        tf.keras.mixed_precision.set_global_policy(now)
+    if asked is None or asked == now:
+        return now
+    if now != "float32":
+        raise UserError(f"--precision {asked}: the script set Keras' global policy {now} "
+                        f"(keras.mixed_precision.set_global_policy); drop the flag, or set the policy you want")
+    tf.keras.mixed_precision.set_global_policy(asked)
+    if for_one_fit:
+        _FIT_SET.append((asked, now))
+    return asked
 
 
 def run(cfg: Config, given: Given = Given(), notes=()) -> dict:
@@ -122,6 +195,7 @@ def run(cfg: Config, given: Given = Given(), notes=()) -> dict:
     callbacks = callbacks_lib.users(given.callbacks, cfg)
     # 1. hvd.init; pin this worker's device; seed; precision
     world = start(cfg)
+    cfg = dataclasses.replace(cfg, precision=set_precision(cfg.precision, for_one_fit=True))
     # from here on, a scheduler's SIGTERM stops every rank at one step, after a checkpoint (preemption.py)
     with preemption.handling(() if elastic else cfg.preemption_signals):
         _introduce(cfg, world)

@@ -33,12 +33,12 @@ from typing import Optional
 from ..config import DEFAULT_BATCH_SIZE, Config, UserError
 from ..runtime import World
 from .arrays import Arrays
-from .core import Data, split
+from .core import Data, last_fraction, split
 from .pipeline import Pipeline, batching, from_arrays, shard, skip_cheaply, unrepeatable
 from .records import Records, write_tfrecords
 from .sequence import Sequences
 
-__all__ = ["Data", "DataContext", "load", "resolve", "write_tfrecords", "shard", "batching", "skip_cheaply",
+__all__ = ["Data", "DataContext", "last_fraction", "load", "resolve", "write_tfrecords", "shard", "batching", "skip_cheaply",
            "unrepeatable"]
 
 

@@ -107,3 +107,24 @@ def split(x, y, val_split):
     val, train = order[:n_val], order[n_val:]
     take = lambda a, idx: tf.nest.map_structure(lambda v: np.asarray(v)[idx], a)
     return take(x, train), take(y, train), take(x, val), take(y, val)
+
+
+def last_fraction(data, fraction: float):
+    """(train, validation): Keras' validation_split of (x, y) arrays, the last
+    `fraction` of the samples held out, in their order. Keras takes it of arrays only; so does this."""
+    import math
+
+    import tensorflow as tf
+
+    from ..config import UserError
+
+    if not isinstance(data, (tuple, list)) or len(data) != 2 or \
+            any(isinstance(d, tf.data.Dataset) or callable(d) for d in data):
+        raise UserError("validation_split: Keras takes it of (x, y) arrays only; for a data set, give "
+                        "validation_data, or --val-split for hvdtrain's own hold-out")
+    if not 0 < fraction < 1:
+        raise UserError(f"validation_split must be above 0 and below 1, got {fraction}")
+    n = len(tf.nest.flatten(data[0])[0])
+    at = int(math.floor(n * (1.0 - fraction)))  # where Keras splits
+    cut = lambda part, s: tf.nest.map_structure(lambda v: np.asarray(v)[s], part)
+    return tuple(cut(p, slice(None, at)) for p in data), tuple(cut(p, slice(at, None)) for p in data)

@@ -522,17 +522,6 @@ class TrainStep:
         return logs
 
 
-def compiled_trains(model) -> bool:
-    """Whether the model's compiled optimizer is the one that trains (not a model's own optimizers)."""
-    step = model.train_step
-    return not isinstance(step, TrainStep) or step.counter is None
-
-
-def steps(model):
-    """The variable that counts a model's training steps under hvdtrain (TrainStep.steps)."""
-    step = model.train_step
-    return step.steps() if isinstance(step, TrainStep) else model.optimizer.iterations
-
     def _labels_checked(self, data):
         """The step's data, its labels asserted within the sparse loss's classes before any op reads them:
         a label out of range fails there, as in plain Keras, and not in whichever op of the step (a
@@ -564,3 +553,15 @@ def steps(model):
         grads = tape.gradient(loss, model.trainable_variables)
         model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return model.compute_metrics(x, y, y_pred, sample_weight)
+
+
+def compiled_trains(model) -> bool:
+    """Whether the model's compiled optimizer is the one that trains (not a model's own optimizers)."""
+    step = model.train_step
+    return not isinstance(step, TrainStep) or step.counter is None
+
+
+def steps(model):
+    """The variable that counts a model's training steps under hvdtrain (TrainStep.steps)."""
+    step = model.train_step
+    return step.steps() if isinstance(step, TrainStep) else model.optimizer.iterations

@@ -54,7 +54,8 @@ def finish(cfg: Config, model, data, trainer, ckpts, history, epoch_end, timelin
                   # what every step allreduces (bench: compute time against bytes / bandwidth)
                   "gradient_bytes": sum(v.shape.num_elements() * v.dtype.size
                                      for v in compat.tf_variables(model.trainable_variables))},
-        "optimizer": {**trainer.optimizer, "lr_scaled": trainer.peak_lr(cfg, world)},
+        "optimizer": {**trainer.optimizer, "lr_scaled": trainer.peak_lr(cfg, world),
+                      "schedule": _schedule(trainer.optimizer.get("schedule"))},
         "metrics": {k: float(v[-1]) for k, v in history.history.items()},
         # every epoch of this run: its metrics, and its training time (validation left out)
         "history": {**{k: [float(x) for x in v] for k, v in history.history.items()},
@@ -76,6 +77,14 @@ def finish(cfg: Config, model, data, trainer, ckpts, history, epoch_end, timelin
     write(cfg, model, summary)
     log.info("done: %s", json.dumps(summary["metrics"]))
     return summary
+
+
+def _schedule(schedule) -> dict | None:
+    """A compiled learning-rate schedule as Keras serializes it (its class and config), or None."""
+    import tensorflow as tf
+
+    return None if schedule is None else json.loads(json.dumps(
+        tf.keras.optimizers.schedules.serialize(schedule), default=str))
 
 
 def weights_sha256(model) -> str:

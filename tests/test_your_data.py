@@ -56,6 +56,22 @@ def test_own_tfrecord_schema_is_sharded_by_file_and_each_record_read_once_per_ep
 
 
 @pytest.mark.full
+def test_a_shuffled_and_batched_file_pipeline_is_parsed_only_by_training(tmp_path):
+    """list_files -> interleave -> map(parse) -> shuffle -> batch: neither the shard's probe nor its
+    count runs the parse, so each record is parsed once per epoch and no more."""
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    env = {"RECORDS": _records(tmp_path, 8, 250), "READ_LOG_DIR": str(reads)}
+    proc = _job(2, "gloo", tmp_path / "run", *SGD_MODEL, "--data", "user_data:records_batched", "--epochs", "2",
+                env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    s = _summary(tmp_path / "run")
+    assert s["data"]["sharding"] == "file" and s["steps_per_epoch"] == 20
+    total = sum((Counter(int(l) for l in f.read_text().split()) for f in reads.iterdir()), Counter())
+    assert set(total) == set(range(2000)) and set(total.values()) == {2}  # once per epoch, 2 epochs
+
+
+@pytest.mark.full
 def test_fewer_files_than_workers_falls_back_to_element_sharding_and_says_so(tmp_path):
     env = {"RECORDS": _records(tmp_path, 1, 600)}
     proc = _job(2, "mpirun", tmp_path / "run", *SGD_MODEL, "--data", "user_data:records", "--epochs", "1",

@@ -161,6 +161,11 @@ def records():
     return files.interleave(tf.data.TFRecordDataset, cycle_length=4).map(parse)
 
 
+def records_batched():
+    """The same pipeline as a user finishes it: shuffled and batched (by 50)."""
+    return records().shuffle(1000).batch(50)
+
+
 def records_sharded(ctx):
     """The same pipeline, sharded by the user: tf.distribute's InputContext style."""
     files = sorted(glob.glob(os.path.join(os.environ["RECORDS"], "*.tfrecord")))

@@ -12,7 +12,9 @@ The pipeline's stages are read through compat.py (tf.data has no public API for 
 """
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 
@@ -56,7 +58,7 @@ class Pipeline:
         world, train = self.world, self.train
         self.post = lambda ds: ds
         if self.user_shards:
-            self.how, self.pre, self.countable = "yours", train, under_the_maps(train)
+            self.how, self.pre, self.countable = "yours", train, records_under(train)
             return
         sharded, self.countable, self.how, why = shard(train, world.rank, world.size)
         self.pre = sharded if self.how == "file" else train
@@ -68,7 +70,7 @@ class Pipeline:
     def count(self) -> int:
         """This worker's batches (batched) or elements: the pipeline's cardinality, or one pass."""
         cardinality = int(self.mine.cardinality())
-        return cardinality if cardinality >= 0 else count_elements(self.countable, self.name)
+        return cardinality if cardinality >= 0 else self.countable.count(self.name)
 
     def resumed(self, count: int):
         """`pre`, `count` elements on (by file: counted in this worker's files), skipped cheaply."""
@@ -235,8 +237,39 @@ def under_the_maps(ds):
     return list(upstream(ds, compat.ONE_TO_ONE))[-1]
 
 
+@dataclass(frozen=True)
+class Countable:
+    """How to count a pipeline's elements without running the user's maps: the records below its
+    one-to-one steps and its batching (`records`), the batches they make (`batch`, `drop`), then the
+    share of them that element sharding gives this worker (`workers`, `rank`)."""
+    records: Any
+    batch: Optional[int] = None
+    drop: bool = False
+    workers: int = 1
+    rank: int = 0
+
+    def count(self, name: str) -> int:
+        n = count_elements(self.records, name)
+        if self.batch:
+            n = n // self.batch if self.drop else -(-n // self.batch)
+        return len(range(self.rank, n, self.workers))
+
+
+def records_under(ds) -> Countable:
+    """`ds` counted from the records under its maps, shuffles and its last batch of a constant size
+    (`list_files -> interleave(TFRecordDataset) -> map(parse) -> shuffle -> batch` counts the raw
+    records: the parse never runs before training)."""
+    top = under_the_maps(ds)
+    if compat.stage(top) in compat.BATCHERS - {"_RebatchDataset", "_DenseToRaggedDataset",
+                                                "_DenseToSparseBatchDataset"}:
+        size, drop = compat.batch_of(top)
+        if size is not None and compat.stage_input(top) is not None:
+            return Countable(under_the_maps(compat.stage_input(top)), size, drop)
+    return Countable(top)
+
+
 def shard(ds, rank: int, workers: int):
-    """(this worker's shard of ds, a pipeline with the same count that skips the parsing, "file",
+    """(this worker's shard of ds, a Countable that counts it without the parsing, "file",
     "element" or "batch" (element sharding of a batched pipeline, whose elements are batches), why not
     by file or None, in those same words).
 
@@ -248,12 +281,13 @@ def shard(ds, rank: int, workers: int):
     """
     import tensorflow as tf
 
-    reader = under_the_maps(ds)
+    countable = records_under(ds)
+    reader = countable.records
     policy = ds.options().experimental_distribute.auto_shard_policy
     if workers == 1 or policy == tf.data.experimental.AutoShardPolicy.OFF:
-        return ds, reader, "none", None
+        return ds, countable, "none", None
     unit, units = ("batch", "batches") if batching(ds)[0] else ("element", "elements")
-    by_element = (ds.shard(workers, rank), reader.shard(workers, rank), unit)
+    by_element = (ds.shard(workers, rank), dataclasses.replace(countable, workers=workers, rank=rank), unit)
     if policy == tf.data.experimental.AutoShardPolicy.DATA:
         return (*by_element, None)
     reads = in_graph(ds)
@@ -278,7 +312,7 @@ def shard(ds, rank: int, workers: int):
         why = (f"it reads fewer files than the {workers} workers: sharded by {unit} instead, so every "
                f"worker reads every file")
         return (*by_element, why)
-    return by_file, my_reader, "file", None
+    return by_file, dataclasses.replace(countable, records=my_reader), "file", None
 
 
 

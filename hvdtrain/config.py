@@ -343,12 +343,9 @@ KERAS_FIT_REFUSED = {
                              "it yourself in a tf.data.Dataset to choose",
     "validation_freq": "validation_freq: hvdtrain validates after every epoch, where the workers agree on "
                        "their metrics; give no validation data to skip it",
-    "max_queue_size": "max_queue_size, workers, use_multiprocessing: Keras 3 has none (a PyDataset takes "
-                      "workers= itself); hvdtrain reads a Sequence with its own order per worker",
-    "workers": "max_queue_size, workers, use_multiprocessing: Keras 3 has none (a PyDataset takes "
-               "workers= itself); hvdtrain reads a Sequence with its own order per worker",
-    "use_multiprocessing": "max_queue_size, workers, use_multiprocessing: Keras 3 has none (a PyDataset takes "
-                           "workers= itself); hvdtrain reads a Sequence with its own order per worker",
+    **{key: f"{key}: Keras 2's, for a Sequence read in threads or processes; Keras 3 has none (a PyDataset takes "
+            f"workers= itself), and hvdtrain reads a Sequence in each worker's own order"
+       for key in ("max_queue_size", "workers", "use_multiprocessing")},
 }
 
 

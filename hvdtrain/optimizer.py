@@ -2,7 +2,9 @@
 
 - The optimizer is the model's own compiled one (its class and settings), a `--optimizer` flag, or Adam.
 - Its learning rate is for one worker; the linear scaling rule multiplies it by the number of workers
-  (Goyal et al. 2017), reached by a linear warm-up, then a schedule.
+  (Goyal et al. 2017), reached by a linear warm-up, then a schedule. A compiled schedule counts one
+  worker's steps and is scaled alike (SCHEDULE_RULE).
+- A model with its own compile and optimizers (keras.io's GAN) has each of them wrapped in place.
 - It is wrapped in Horovod's DistributedOptimizer: gradients are averaged by ring-allreduce (or Adasum).
 - Every step (TrainStep) also sets the learning rate and checks that the update left the weights finite, inside
   the compiled step: no Python callback and no extra collective per step.
@@ -466,8 +468,8 @@ class NonFiniteUpdate(Exception):
 class TrainStep:
     """The step hvdtrain's fit() runs, around the model's own train_step, its parts in one order:
 
-    1. the learning rate for this step set, in the graph (`learning_rate`: a LearningRate; None
-       leaves the optimizer's own, a compiled schedule);
+    1. the learning rate of each optimizer for this step set, in the graph (`rates`: a LearningRate
+       for each: the compiled one's, or every one of a model's own optimizers);
     2. the model's own step, Keras' or the user's. On Keras 2 with --reduction adasum it is Keras'
        step with the gradients reduced by Horovod's DistributedGradientTape: Horovod 0.28.1's Keras
        DistributedOptimizer refuses op=Adasum, its tape does not (on Keras 3 the `Distributed`

@@ -24,7 +24,7 @@ def _gate(clone) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     head = re.search(r"^tiers: the gate: \d+ gate tests, and (\d+) full-tier tests", proc.stdout, re.M)
     assert head, proc.stdout[-3000:]
-    added = dict(re.findall(r"^  (tests/\S+): (.*)$", proc.stdout, re.M))
+    added = dict(re.findall(r"^  (tests/[^:\s]+::[^\s\[]+(?:\[[^\]]*\])?): (.*)$", proc.stdout, re.M))  # ids: spaces
     assert len(added) == min(int(head.group(1)), 40)
     return added
 

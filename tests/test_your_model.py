@@ -305,15 +305,6 @@ def test_a_user_compiled_model_at_two_workers_equals_one_worker_with_twice_the_b
     assert max_diff("two", "unscaled") > 1e-3  # the comparison can tell a different update apart
 
 
-@pytest.mark.stacks
-def test_keras_fit_arguments_that_hvdtrain_does_not_take_say_what_to_use_instead():
-    import hvdtrain
-    from hvdtrain.config import UserError
-
-    with pytest.raises(UserError, match="Keras' validation_split is val_split here"):
-        hvdtrain.fit("mlp", "digits", validation_split=0.2)
-
-
 @pytest.mark.parametrize("launcher", ["gloo", pytest.param(None, marks=[pytest.mark.stacks, pytest.mark.full])])
 def test_the_python_api_script_trains_under_horovodrun_and_plain_python(launcher, tmp_path):
     import json

@@ -66,6 +66,7 @@ def test_a_cosine_schedule_counts_one_workers_steps_and_validation_split_holds_o
     assert summary["data"]["samples"] == 1440
     assert abs(ours["val_accuracy"][-1] - plain["val_accuracy"][-1]) < 0.08, (ours, plain)
     assert summary["optimizer"]["schedule"]["class_name"] == "CosineDecay"
+    assert len(set(summary["weights_sha256_by_rank"])) == 1
 
 
 @pytest.mark.full
@@ -77,6 +78,8 @@ def test_the_mixed_precision_guides_policy_set_before_init_is_kept_with_loss_sca
     assert (ours["policy"], ours["dense_1"], ours["loss_scale_optimizer"]) == \
            (plain["policy"], plain["dense_1"], plain["loss_scale_optimizer"])
     assert ours["summary"] == {"policy": "mixed_float16", "loss_scaling": True}
+    summary = json.loads((tmp_path / "ours" / "runs" / "summary.json").read_text())
+    assert len(set(summary["weights_sha256_by_rank"])) == 1  # the loss-scaled updates were averaged
     assert abs(ours["val_accuracy"][-1] - plain["val_accuracy"][-1]) < 0.08, (ours, plain)
 
 

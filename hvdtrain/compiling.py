@@ -209,7 +209,9 @@ def _build_model(model, element_spec):
     are broadcast and the optimizer's slots built, as plain Keras builds it before its first step."""
     import tensorflow as tf
 
-    if model.weights:
+    if model.built and model.weights:
+        return
+    if model.weights and type(model).call is tf.keras.Model.call:
         # a model that holds built models and has no call() (keras.io's GAN) has nothing of its own
         # to build: marked built, as Keras' Layer.build marks a layer without weights, so that its
         # weights can be saved (Keras 3 refuses to save a model not marked built)

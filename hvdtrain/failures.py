@@ -13,17 +13,20 @@ from . import runtime
 from .runtime import log
 
 
+def in_a_collective(e) -> bool:
+    """Did `e` come out of Horovod's collectives (a peer's death or failure reaches a rank so), not
+    from the step's own ops? An invalid step (one XLA cannot compile, say) is the rank's own, even
+    where its text names Horovod's ops."""
+    return "horovod" in f"{type(e).__module__} {e}".lower() and type(e).__name__ != "InvalidArgumentError"
+
+
 def report(e, what: str, where: str, world, workers):
     """One line for the cause, from the rank that hit it; the traceback in that rank's log file.
 
     Horovod gives every other rank the same words whether a peer died or a peer's own step raised (and
     that peer reports why), so a survivor looks: a peer on this host whose process is gone died."""
     text = str(e)
-    # a peer's failure reaches this rank as Horovod's shutdown; an invalid step (one that XLA cannot
-    # compile, say) is this rank's own, even where its text names Horovod's ops
-    horovod = "horovod" in f"{type(e).__module__} {text}".lower() and \
-        type(e).__name__ != "InvalidArgumentError"
-    if horovod and world.size > 1:
+    if in_a_collective(e) and world.size > 1:
         host = socket.gethostname()
         table = ", ".join(f"rank {r} on {h} (pid {p})" for r, (h, p) in enumerate(workers))
         gone = [f"rank {r} (pid {p})" for r, (h, p) in enumerate(workers) if h == host and not _alive(p)]

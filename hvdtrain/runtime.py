@@ -400,6 +400,15 @@ def _stamp_rank(record) -> bool:
     return True
 
 
+_UNCAUGHT: list = []  # what names a failure that ends a loop of the user's own (train.broadcast sets it)
+
+
+def on_uncaught(explain):
+    """`explain(exception)` is asked first about an exception that ends the script: True when it said
+    what happened in its own words (a loop's peer that died), False to leave it to Python."""
+    _UNCAUGHT[:] = [explain]
+
+
 def report_errors_once():
     """An hvdtrain error that ends a user's script (hvdtrain.fit raised it, the script did not catch
     it) prints one line from rank 0, as `python -m hvdtrain` does, not a traceback from every rank.
@@ -414,6 +423,8 @@ def report_errors_once():
                 print(f"hvdtrain: {value}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(EXIT_STATUS)
+        if _UNCAUGHT and not issubclass(kind, (UserError, TrainingFailed)) and _UNCAUGHT[0](value):
+            return None
         if not issubclass(kind, (UserError, TrainingFailed)):
             return previous(kind, value, tb)
         if issubclass(kind, UserError) and not _world.is_chief:

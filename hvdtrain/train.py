@@ -24,6 +24,7 @@ import math
 import os
 import re
 import socket
+import sys
 import time
 
 from . import callbacks as callbacks_lib
@@ -45,6 +46,7 @@ def init(**config) -> runtime.World:
     cfg = config_lib.from_dict(config).validate(model_object=True, data_object=True)
     world = start(cfg)
     set_precision(cfg.precision)
+    _LOOP["cfg"] = cfg
     return world
 
 
@@ -72,8 +74,42 @@ def broadcast(model, opt=None, root_rank: int = 0):
     """Every worker starts from rank 0's model weights and optimizer state (its slots built now, so
     the first step is already in step): call it once, after building both, before the first step."""
     runtime.report_errors_once()
-    _after_init("broadcast")
+    world = _after_init("broadcast")
     optimizer.broadcast_initial_state(model, opt, root_rank)
+    _watch_the_loop(world)
+
+
+_LOOP: dict = {}  # init()'s config, and the watch over a loop of one's own that broadcast() started
+
+
+def _watch_the_loop(world: runtime.World):
+    """From the first step of a loop of one's own, as in fit(): a rank that freezes, or ranks that
+    wait in different collectives, are named in one line and every rank ends; a peer that dies is
+    named by the survivors when their step fails (failures.report). The stuck bound is off unless
+    init() was given hang_stuck_seconds: a loop may keep rank 0 alone busy (an evaluation, a save)
+    while the others wait in the next allreduce."""
+    cfg = _LOOP.get("cfg") or config_lib.Config()
+    if cfg.hang_stuck_seconds is None:
+        cfg = dataclasses.replace(cfg, hang_stuck_seconds=0)
+    if _LOOP.get("watch") is not None:
+        _LOOP["watch"].stop()
+    watch = _LOOP["watch"] = watchdog.Watchdog(cfg, world, then="your script starts again from what it saved")
+    runtime.on_uncaught(lambda e: _a_peer_failed(e, watch, world))
+
+
+def _a_peer_failed(e, watch: watchdog.Watchdog, world: runtime.World) -> bool:
+    """A loop's step that failed in Horovod's collective (a peer died, hung, or failed): named as
+    fit() names it, in one line. Any other error is left to Python's traceback (False)."""
+    if not failures.in_a_collective(e):
+        return False
+    watch.on_failure()  # a hung peer's silence explains it: the watchdog names it and exits
+    try:
+        failures.report(e, "a step of the loop", "", world, watch.workers)
+    except runtime.TrainingFailed as said:
+        print(f"hvdtrain: error: {said}", file=sys.stderr, flush=True)
+    except SystemExit:  # the survivors' lines are written
+        pass
+    return True
 
 
 def shard(dataset):

@@ -215,9 +215,11 @@ def _addresses() -> list:
 class Watchdog:
     """One fit's watch: rank 0 listens and judges, every other rank sends it heartbeats."""
 
-    def __init__(self, cfg, world: runtime.World, resume_point=lambda: None, facts=None):
-        """facts: what this rank's step runs with (its steps per call), told when the ranks wait apart."""
-        self.world, self.resume_point, self.facts = world, resume_point, dict(facts or {})
+    def __init__(self, cfg, world: runtime.World, resume_point=lambda: None, facts=None,
+                 then: str = "the same command resumes from the last checkpoint"):
+        """facts: what this rank's step runs with (its steps per call), told when the ranks wait apart.
+        then: what the user does next, said after the hang is named."""
+        self.world, self.resume_point, self.facts, self.then = world, resume_point, dict(facts or {}), then
         self.frozen_s, self.stuck_s = cfg.hang_frozen_seconds, cfg.hang_stuck_seconds
         self.collective_s = cfg.hang_collective_seconds
         self.interval = max(0.2, min(5.0, (self.frozen_s or 30) / 6, (self.collective_s or 30) / 6))
@@ -375,8 +377,7 @@ class Watchdog:
         point = self.resume_point()
         where = f" (after epoch {point[0]}" + (f", step {point[1]})" if point[1] else ")") if point else ""
         self.ending.set()
-        self.verdict = (f"{what}. Every rank ends now (exit status {EXIT_STATUS}); the same command resumes "
-                        f"from the last checkpoint{where}")
+        self.verdict = f"{what}. Every rank ends now (exit status {EXIT_STATUS}); {self.then}{where}"
         _announce(self.verdict)
         waiting = {p.rank for p in self.peers[1:] if not p.gone and p.seen is not None
                    and time.monotonic() - p.seen < self.interval * 3}  # the frozen cannot be told
@@ -439,8 +440,7 @@ class Watchdog:
         if self.world.rank == 1:  # one line for the job: the lowest rank left says it
             host, pid = self.workers[0]
             _announce(f"rank 0 on {host} (pid {pid}) has not answered for {silent:.0f} s: its process is stopped "
-                      f"or stuck in the kernel. Every rank ends now (exit status {EXIT_STATUS}); the same command "
-                      f"resumes from the last checkpoint")
+                      f"or stuck in the kernel. Every rank ends now (exit status {EXIT_STATUS}); {self.then}")
         _exit()
 
     def _answer(self, conn, buf: bytes):

@@ -4,11 +4,16 @@ set before hvdtrain.init()), a cosine schedule and Keras' validation_split. Each
 itself in plain Keras (tests/workers/*_script.py), at 2 workers under horovodrun; what needs no second
 process is checked in this one."""
 import json
+import os
+import re
+import signal
 
 import numpy as np
 import pytest
 
-from jobs import ROOT, error_lines, launch, run_worker_script
+from jobs import ROOT, error_lines, launch, run_worker_script, start
+
+LOOP = str(ROOT / "tests" / "workers" / "custom_loop_script.py")
 
 
 def _weights_alike(out, ranks=2) -> bool:
@@ -50,6 +55,50 @@ def test_horovods_tf2_loop_with_hvdtrains_building_blocks_trains_two_ranks_alike
     assert _weights_alike(tmp_path / "two")
     assert two["accuracy"] > one["accuracy"] - 0.03 and one["accuracy"] > 0.85, (one, two)
     assert (tmp_path / "two" / "checkpoints" / "checkpoint").is_file()  # rank 0 saved it
+
+
+def _loop_stepping(tmp_path, *init):
+    """A long loop at 2 workers, returned once rank 0 has printed its 200th step (every rank is past
+    broadcast, so the watch is on, and the step is traced): (the job, rank 1's pid, the output so far)."""
+    proc = start(2, "gloo", [LOOP, str(tmp_path), "2000000", *init], start_new_session=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "Step #200" in line:
+            return proc, int((tmp_path / "pid-1").read_text()), "".join(seen)
+    pytest.fail("the loop never stepped:\n" + "".join(seen)[-3000:])
+
+
+def _end_of(proc, timeout) -> str:
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.full
+def test_a_worker_frozen_in_a_loop_of_ones_own_is_named_and_every_rank_ends(tmp_path):
+    proc, pid, before = _loop_stepping(tmp_path, json.dumps({"hang_frozen_seconds": 10}))
+    os.kill(pid, signal.SIGSTOP)
+    output = before + _end_of(proc, timeout=90)
+    assert proc.returncode != 0
+    assert "rank 1 on " in output and f"(pid {pid}) has not answered for" in output, output[-3000:]
+    assert "your script starts again from what it saved" in output
+
+
+@pytest.mark.full
+def test_a_worker_killed_in_a_loop_of_ones_own_is_named_and_the_job_ends(tmp_path):
+    """horovodrun names the dead rank and ends the others at once; a survivor that gets to its failed
+    step first names every worker too (a race with horovodrun's SIGTERM that it wins most times)."""
+    proc, pid, before = _loop_stepping(tmp_path)
+    os.kill(pid, signal.SIGKILL)
+    output = before + _end_of(proc, timeout=90)
+    assert proc.returncode != 0
+    assert "Process name: 1\nExit code: 137" in output, output[-3000:]
+    if "lost its peers during training" in output:
+        assert re.search(r"lost its peers during training .*Workers were: rank 0 on \S+ \(pid \d+\), rank 1 on",
+                         output), output[-3000:]
 
 
 @pytest.mark.full

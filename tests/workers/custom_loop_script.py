@@ -3,10 +3,11 @@ with hvdtrain's building blocks where Horovod's stand: init, DistributedOptimize
 and rank 0 alone saving the checkpoint. sklearn's digits (8x8) stand for MNIST so that it runs in
 seconds; one worker takes all the steps, N workers each 1/N of them, as Horovod's example does.
 
-    custom_loop_script.py OUT     under a launcher, or plain python for one worker
+    custom_loop_script.py OUT [STEPS [INIT]]   under a launcher, or plain python for one worker
 
-Rank 0 prints RESULT: the workers, the steps each took, and the accuracy on held-out digits. Every
-rank saves its weights in OUT.
+STEPS: one worker's steps (600); INIT: hvdtrain.init's keys as JSON (a test's short hang bound). Every
+rank writes its pid in OUT as it starts and its weights as it ends; rank 0 prints RESULT: the workers,
+the steps each took, and the accuracy on held-out digits.
 """
 import json
 import os
@@ -14,14 +15,16 @@ import sys
 
 import hvdtrain
 
-out = sys.argv[1]
-world = hvdtrain.init()
+out, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 600
+world = hvdtrain.init(**json.loads(sys.argv[3] if len(sys.argv) > 3 else "{}"))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, f"pid-{world.rank}"), "w") as fh:
+    fh.write(str(os.getpid()))
 tf.keras.utils.set_random_seed(1)
 x, y = load_digits(return_X_y=True)
 x = (x / 16.0).reshape(-1, 8, 8, 1).astype("float32")
@@ -57,7 +60,7 @@ def training_step(images, labels):
 
 
 # Horovod: adjust number of steps based on number of workers.
-steps = 600 // world.size
+steps = steps // world.size
 for batch, (images, labels) in enumerate(dataset.take(steps)):
     loss_value = training_step(images, labels)
     if batch % 100 == 0 and world.local_rank == 0:

@@ -45,7 +45,7 @@ def average_non_trainable(model):
             v.assign(tf.cast(total / world.size, v.dtype))
 
 
-def check_the_weights_agree(model, epoch: int):
+def check_the_weights_agree(model, after: str):
     """Stop a job whose ranks train apart, on every rank at once: the same weights give the same
     fingerprint (sums of the trainable weights, in float64) on every rank. They differ when a step
     applied gradients through an optimizer that does not average them (one the model keeps where
@@ -65,10 +65,28 @@ def check_the_weights_agree(model, epoch: int):
     if (highest - lowest).max() > 1e-9 * (abs(highest[0]) + 1e-30):
         held = ", ".join(optimizer.found_in(model)) or "none"
         raise runtime.UserError(
-            f"the workers' weights differ after epoch {epoch + 1}: the training step applied gradients that "
+            f"the workers' weights differ after {after}: the training step applied gradients that "
             f"were not averaged. hvdtrain averages those of the optimizers {model.name} holds in its "
             f"attributes ({held}); one held elsewhere (in a list, a global) trains each worker on its own: "
             f"keep each optimizer in an attribute of the model")
+
+
+def first_steps_agree():
+    """For a model with optimizers of its own (keras.io's GAN): the weights' agreement checked after the
+    first call of its step too, so that a step that applies gradients through an optimizer hvdtrain
+    could not find stops at its first steps, not an epoch later. Only such a model gets it: a batch
+    hook makes Keras call every callback's after every call."""
+    import tensorflow as tf
+
+    class FirstStepsAgree(tf.keras.callbacks.Callback):
+        checked = False
+
+        def on_train_batch_end(self, batch, logs=None):
+            if not self.checked:  # every rank ends its first call at the same step
+                self.checked = True
+                check_the_weights_agree(self.model, "its first steps")
+
+    return FirstStepsAgree()
 
 
 def combined_metrics(model, logs: dict) -> dict:
@@ -129,7 +147,7 @@ def _epoch_end_class(data):
                 self.progress.pause()
             logs = logs if logs is not None else {}
             average_non_trainable(self.model)
-            check_the_weights_agree(self.model, epoch)
+            check_the_weights_agree(self.model, f"epoch {epoch + 1}")
             logs.update(combined_metrics(self.model, {k: v for k, v in logs.items()
                                                       if not k.startswith("val_")}))
             if data.val is not None:

@@ -376,6 +376,8 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
     epoch_end, progress = callbacks_lib.make(cfg, data, world.size, world.is_chief)
     saver = callbacks_lib.checkpoints(cfg, ckpts, data.steps_per_epoch, first_epoch, first_step,
                                       trainer.steps_per_execution)
+    if world.size > 1 and not optimizer.compiled_trains(model):  # optimizers of the model's own
+        extra_callbacks = [callbacks_lib.first_steps_agree(), *extra_callbacks]
     callbacks = keras_callbacks(cfg, data, world, trainer, saver, epoch_end, progress, extra_callbacks)
     if cfg.preemption_signals and not cfg.elastic and preemption.usable(world):
         callbacks.append(preemption.watcher(ckpts, data.steps_per_epoch, first_epoch, first_step))

@@ -33,10 +33,12 @@ def test_a_killed_worker_ends_the_whole_job_naming_it_and_leaves_no_process(laun
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
-    if launcher == "gloo":  # horovodrun names the rank; the survivors name every rank's host
+    if launcher == "gloo":  # horovodrun names the rank; a survivor names every rank's host, unless
+        # horovodrun's SIGTERM (it ends the others as soon as one exits) reaches it first
         assert "Process name: 1\nExit code: 137" in output, output[-3000:]
-        assert re.search(r"lost its peers during training .*Workers were: rank 0 on \S+ \(pid \d+\), "
-                         r"rank 1 on \S+", output), output[-3000:]
+        if "lost its peers" in output:
+            assert re.search(r"lost its peers during training .*Workers were: rank 0 on \S+ \(pid \d+\), "
+                             r"rank 1 on \S+", output), output[-3000:]
     else:  # OpenMPI names rank, host and signal itself
         assert re.search(r"process rank 1 with PID \d+ on node \S+ exited on signal 9", output), output[-3000:]
     assert processes_of(tmp_path, settle=2) == []

@@ -73,9 +73,10 @@ def check_the_weights_agree(model, after: str):
 
 def first_steps_agree():
     """For a model with optimizers of its own (keras.io's GAN): the weights' agreement checked after the
-    first call of its step too, so that a step that applies gradients through an optimizer hvdtrain
-    could not find stops at its first steps, not an epoch later. Only such a model gets it: a batch
-    hook makes Keras call every callback's after every call."""
+    first call of its step too, so that a step that updates the weights apart from any optimizer
+    (TrainStep refuses an optimizer hvdtrain did not find before its first update) stops at its first
+    steps, not an epoch later. Only such a model gets it: a batch hook makes Keras call every
+    callback's after every call."""
     import tensorflow as tf
 
     class FirstStepsAgree(tf.keras.callbacks.Callback):

@@ -8,6 +8,7 @@ module, and tests/test_compat.py says which name broke.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 
@@ -107,6 +108,41 @@ def lr_schedule(optimizer):
 
     lr = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None)
     return lr if isinstance(lr, tf.keras.optimizers.schedules.LearningRateSchedule) else None
+
+
+@contextlib.contextmanager
+def before_apply_gradients(hook):
+    """Within: hook(optimizer) runs before any Keras optimizer's apply_gradients. Keras has no such
+    hook, so the method is wrapped where Keras' optimizer base classes define it (Keras 2 has two:
+    the optimizer and the legacy one), and put back on leaving."""
+    import tensorflow as tf
+
+    bases = [tf.keras.optimizers.Optimizer] if keras3() else \
+        [tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer]
+    owners = {next(c for c in base.__mro__ if "apply_gradients" in vars(c)) for base in bases}
+    kept = {owner: vars(owner)["apply_gradients"] for owner in owners}
+
+    def hooked(original):
+        @functools.wraps(original)
+        def apply_gradients(self, *args, **kwargs):
+            hook(self)
+            return original(self, *args, **kwargs)
+        return apply_gradients
+
+    try:
+        for owner, original in kept.items():
+            owner.apply_gradients = hooked(original)
+        yield
+    finally:
+        for owner, original in kept.items():
+            owner.apply_gradients = original
+
+
+def past_autograph(error: Exception) -> Exception:
+    """`error` marked to leave a traced step as it is: AutoGraph (Keras 2 converts the step) would
+    rewrite its message into a stack of the converted code."""
+    error.ag_pass_through = True
+    return error
 
 
 def built_for(optimizer) -> list:

@@ -103,7 +103,7 @@ def _keep_own_compile(model, cfg: Config, plan, found: dict):
     """A model with its own compile or several optimizers trains as compiled: every optimizer it
     holds is replaced by its distributed copy (the same class and settings, its updates averaged),
     each at the learning rate's rule. A step that applies gradients through an optimizer held
-    elsewhere trains each rank on its own: callbacks.EpochEnd's check of the weights stops it."""
+    elsewhere would train each rank on its own: TrainStep refuses it as the step is traced."""
     names = ", ".join(found)
     flags = [f"--{k.replace('_', '-')}" for k in FLAGS_OF_COMPILE if getattr(cfg, k)]
     if cfg.backward_passes_per_step > 1:

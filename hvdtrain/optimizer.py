@@ -516,13 +516,30 @@ class TrainStep:
             opt.learning_rate.assign(tf.cast(rate(step), opt.learning_rate.dtype))
         if self.classes:
             data = self._labels_checked(data)
-        logs = self.step(data)
+        with compat.before_apply_gradients(self._refuse_unaveraged):  # Python: runs as the step is traced
+            logs = self.step(data)
         total = tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32)) for w in self.model.trainable_variables])
         tf.debugging.Assert(tf.math.is_finite(total), [NONFINITE, step])
         if self.counter is not None:
             self.counter.assign_add(1)
         return logs
 
+    def _refuse_unaveraged(self, opt):
+        """Refuse, before its first update, a step that applies gradients through an optimizer that
+        does not average them: one the model keeps where hvdtrain cannot find it (a dict, a list, a
+        global). Its ranks would train apart. Every rank traces the same step, so every rank stops."""
+        for held in found_in(self.model).values():
+            chain = [held]  # a LossScaleOptimizer (Keras 2's compile adds one) and the one inside it
+            while getattr(chain[-1], "inner_optimizer", None) is not None:
+                chain.append(chain[-1].inner_optimizer)
+            if any(made(o) is not None for o in chain) and any(o is opt for o in chain):
+                return
+        held = ", ".join(f"{name} ({user_class(o).__name__})" for name, o in found_in(self.model).items())
+        raise compat.past_autograph(UserError(
+            f"{self.model.name}'s training step applies gradients through an optimizer "
+            f"hvdtrain did not find ({user_class(opt).__name__}), whose updates are not averaged: each worker would train on its own. "
+            f"hvdtrain averages those of the optimizers {self.model.name} holds in its attributes "
+            f"({held or 'none'}); keep each optimizer in an attribute of the model"))
 
     def _labels_checked(self, data):
         """The step's data, its labels asserted within the sparse loss's classes before any op reads them:

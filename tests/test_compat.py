@@ -243,3 +243,33 @@ def test_the_distributed_optimizer_is_saved_as_the_users_class():
 
 class _UsersOwnSGD(tf.keras.optimizers.SGD):
     pass
+
+
+def test_the_hook_before_apply_gradients_sees_every_optimizer_and_is_gone_after():
+    var = tf.Variable([1.0])
+    opts = [tf.keras.optimizers.SGD(0.5), tf.keras.optimizers.Adam(0.5)]
+    if not compat.keras3():
+        opts.append(tf.keras.optimizers.legacy.SGD(0.5))
+    seen = []
+    with compat.before_apply_gradients(seen.append):
+        for opt in opts:
+            opt.apply_gradients([(tf.constant([1.0]), var)])
+    assert [id(o) for o in seen] == [id(o) for o in opts]
+    opts[0].apply_gradients([(tf.constant([1.0]), var)])
+    assert len(seen) == len(opts) and var.numpy()[0] < 0  # put back, and the updates were made
+
+
+def _refuse(x, mark):
+    error = ValueError("one line")
+    raise compat.past_autograph(error) if mark else error
+
+
+def _step(x, mark):
+    return _refuse(x * 2, mark)  # a converted call, as Keras 2's step reaches its train_step
+
+
+@pytest.mark.parametrize("mark", [True, False])
+def test_an_error_marked_past_autograph_leaves_a_traced_step_as_it_was_raised(mark):
+    with pytest.raises(ValueError) as raised:
+        tf.function(_step)(tf.constant(1.0), mark)
+    assert (str(raised.value) == "one line") == mark  # unmarked: AutoGraph's "in user code: ..."

@@ -37,12 +37,15 @@ def test_the_keras_io_gan_with_its_own_compile_and_two_optimizers_trains_every_r
 
 
 @pytest.mark.full
-def test_a_gan_whose_optimizers_hvdtrain_cannot_find_stops_in_one_line_instead_of_training_apart(tmp_path):
+@pytest.mark.stacks
+def test_a_gan_whose_optimizers_hvdtrain_cannot_find_is_refused_in_one_line_before_its_first_update(tmp_path):
     proc = launch(2, "gloo", [str(ROOT / "tests" / "workers" / "gan_script.py"), "hidden", str(tmp_path)],
                   timeout=200)
     assert proc.returncode != 0
     errors = error_lines(proc.stdout)
-    assert errors and "the workers' weights differ after its first steps" in errors[0], proc.stdout[-3000:]
+    assert errors and "training step applies gradients through an optimizer hvdtrain did not find (Adam)" in errors[0], proc.stdout[-3000:]
+    assert "(optimizer (RMSprop))" in errors[0]  # what it found
+    assert "epoch 1/4" not in proc.stdout and "checkpoint /" not in proc.stdout  # refused as its step was traced
     assert not (tmp_path / "runs" / "summary.json").exists()
 
 

@@ -41,6 +41,31 @@ apt_install() {
 
 apt_install
 
+# Horovod 0.28.1's source, with hvdtrain's fixes to its build, each checked to have applied:
+# - GCC 13 and later no longer include <string> and <stdexcept> through other standard headers, as two of
+#   Horovod's headers assume (GCC 12, Debian bookworm's, still does);
+# - TensorFlow 2.20+: horovod/tensorflow/xla_mpi_ops.cc includes TensorFlow's XLA headers, which want
+#   highwayhash headers TensorFlow's wheel does not ship. The rest of that file is for GPU builds only
+#   (#if HAVE_GPU); with its includes under HAVE_GPU too, a CPU build compiles none of it.
+horovod_source() {
+  local tf_version=$1 src
+  src=$(mktemp -d)
+  $PIP download -q --no-deps --no-binary :all: -d "$src" horovod==0.28.1
+  tar xzf "$src"/horovod-0.28.1.tar.gz -C "$src"
+  src=$src/horovod-0.28.1
+  fix() {  # fix FILE SED-SCRIPT LINE-THAT-MUST-THEN-BE-THERE
+    sed -i "$2" "$src/$1"
+    grep -qxF "$3" "$src/$1" || { echo "setup: $1 is not as expected; cannot build Horovod" >&2; exit 1; }
+  }
+  fix horovod/common/group_table.h 's/^#include <mutex>$/&\n#include <string>/' '#include <string>'
+  fix horovod/common/common.h 's/^#include <memory>$/&\n#include <stdexcept>/' '#include <stdexcept>'
+  if [[ "$tf_version" != 2.1[0-9].* ]]; then
+    fix horovod/tensorflow/xla_mpi_ops.cc 's/^#if TENSORFLOW_VERSION >= 2006000000$/& \&\& HAVE_GPU/' \
+      '#if TENSORFLOW_VERSION >= 2006000000 && HAVE_GPU'
+  fi
+  echo "$src"
+}
+
 # Which stack this Python can run, and which one was asked for (today's wherever the Python allows).
 PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 case "$PYVER" in
@@ -64,8 +89,15 @@ esac
 # The bench's plots (matplotlib) on the keras2 stack only: Keras 3 imports matplotlib.pyplot at start-up
 # wherever it is installed (half a second of every worker's start); `pip install matplotlib` draws them.
 case "$STACK" in keras2) EXTRAS="dev,plots" ;; *) EXTRAS="dev" ;; esac
+# A GPU host gets TensorFlow's CUDA build (with pip's CUDA, cuDNN and NCCL wheels), unless HVDTRAIN_TF says
+if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+  TF_DEFAULT=${TF_DEFAULT/tensorflow-cpu==/tensorflow[and-cuda]==}
+fi
 TF_SPEC=${HVDTRAIN_TF:-$TF_DEFAULT}
-WANT=$( (cat setup.py pyproject.toml scripts/setup.sh; echo "$STACK $PYVER $TF_SPEC") | sha256sum | cut -c1-16)
+# (what decides the collectives is in the stamp too: a toolkit installed since, or HVDTRAIN_NCCL, rebuilds)
+WANT=$( (cat setup.py pyproject.toml scripts/setup.sh scripts/horovod_build.py
+         echo "$STACK $PYVER $TF_SPEC ${HVDTRAIN_NCCL:-auto} ${HOROVOD_CUDA_HOME:-} ${CUDA_HOME:-} $(command -v nvcc)") \
+       | sha256sum | cut -c1-16)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   exit 0
@@ -81,36 +113,35 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 $PIP install -q --upgrade pip "setuptools<70" wheel  # Horovod 0.28.1 builds with setuptools<70
 # TensorFlow first: Horovod compiles its TensorFlow ops against the installed TensorFlow.
 $PIP install -q "$TF_SPEC" "${PINS[@]}" "mpi4py>=3.1,<5"
-# Horovod's wheel is built once per TensorFlow and Python and kept (pip's own cache would hand a wheel
-# built against another TensorFlow of the same Python to the other stack).
-if ! "$VENV/bin/python" -c "import horovod.tensorflow as h; assert h.mpi_built() and h.gloo_built()" 2>/dev/null; then
+# Which collectives: NCCL too where TensorFlow is a CUDA build and a CUDA toolkit of its major version is
+# here; a GPU host without one is told what to get (scripts/horovod_build.py). Exports Horovod's build
+# variables and HVDTRAIN_COLLECTIVES (cpu, or nccl-cudaX.Y).
+BUILD_PLAN=$(TF_CPP_MIN_LOG_LEVEL=2 "$VENV/bin/python" scripts/horovod_build.py "$VENV/.nccl-link") || exit 1
+eval "$BUILD_PLAN"
+echo "setup: $HVDTRAIN_COLLECTIVES_SAID"
+WANT_BUILT="h.mpi_built() and h.gloo_built()"
+[ "$HVDTRAIN_COLLECTIVES" = cpu ] || WANT_BUILT="$WANT_BUILT and h.nccl_built()"
+# Horovod's wheel is built once per TensorFlow, Python and collective set, and kept (pip's own cache would
+# hand a wheel built against another TensorFlow of the same Python to the other stack).
+if ! "$VENV/bin/python" -c "import horovod.tensorflow as h; assert $WANT_BUILT" 2>/dev/null; then
   TF_VERSION=$("$VENV/bin/python" -c 'import tensorflow as tf; print(tf.__version__)' 2>/dev/null)
-  WHEELS=${HVDTRAIN_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}/horovod-0.28.1-tf$TF_VERSION-py$PYVER
+  SUFFIX=""; [ "$HVDTRAIN_COLLECTIVES" = cpu ] || SUFFIX="-$HVDTRAIN_COLLECTIVES"
+  WHEELS=${HVDTRAIN_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdtrain}/horovod-0.28.1-tf$TF_VERSION-py$PYVER$SUFFIX
   TAG=cp${PYVER/./}
-  if [ -n "${HVDTRAIN_HOROVOD_WHEEL_DIR:-}" ] && ls "$HVDTRAIN_HOROVOD_WHEEL_DIR"/horovod-0.28.1-$TAG-*.whl >/dev/null 2>&1; then
+  if [ -z "$SUFFIX" ] && [ -n "${HVDTRAIN_HOROVOD_WHEEL_DIR:-}" ] && ls "$HVDTRAIN_HOROVOD_WHEEL_DIR"/horovod-0.28.1-$TAG-*.whl >/dev/null 2>&1; then
     WHEELS=$HVDTRAIN_HOROVOD_WHEEL_DIR  # a wheel built for this TensorFlow and Python (docker/wheels)
   fi
   if ! ls "$WHEELS"/horovod-0.28.1-$TAG-*.whl >/dev/null 2>&1; then
-    echo "setup: building horovod==0.28.1 against TensorFlow $TF_VERSION (a few minutes, once; kept in $WHEELS)"
-    SOURCE=horovod==0.28.1
-    if [[ "$TF_VERSION" != 2.1[0-9].* ]]; then
-      # TensorFlow 2.20+: horovod/tensorflow/xla_mpi_ops.cc includes TensorFlow's XLA headers, which want
-      # highwayhash headers TensorFlow's wheel does not ship. The rest of that file is for GPU builds
-      # only (#if HAVE_GPU); with its includes under HAVE_GPU too, a CPU build compiles none of it.
-      SRC=$(mktemp -d)
-      $PIP download -q --no-deps --no-binary :all: -d "$SRC" horovod==0.28.1
-      tar xzf "$SRC"/horovod-0.28.1.tar.gz -C "$SRC"
-      sed -i 's/^#if TENSORFLOW_VERSION >= 2006000000$/& \&\& HAVE_GPU/' "$SRC"/horovod-0.28.1/horovod/tensorflow/xla_mpi_ops.cc
-      grep -q '^#if TENSORFLOW_VERSION >= 2006000000 && HAVE_GPU$' "$SRC"/horovod-0.28.1/horovod/tensorflow/xla_mpi_ops.cc \
-        || { echo "setup: horovod/tensorflow/xla_mpi_ops.cc is not as expected; cannot build for TensorFlow $TF_VERSION" >&2; exit 1; }
-      SOURCE=$SRC/horovod-0.28.1
-    fi
+    echo "setup: building horovod==0.28.1 against TensorFlow $TF_VERSION, $HVDTRAIN_COLLECTIVES (a few minutes, once; kept in $WHEELS)"
+    SOURCE=$(horovod_source "$TF_VERSION")
     HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
     HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
       $PIP wheel -q --no-cache-dir --no-deps --no-build-isolation -w "$WHEELS" "$SOURCE"
   fi
   $PIP install -q --force-reinstall --no-deps "$WHEELS"/horovod-0.28.1-$TAG-*.whl
   $PIP install -q horovod==0.28.1  # its own requirements
+  "$VENV/bin/python" -c "import horovod.tensorflow as h; assert $WANT_BUILT" \
+    || { echo "setup: the Horovod built lacks what was asked for ($WANT_BUILT); see the build's output above" >&2; exit 1; }
 fi
 $PIP install -q -e ".[$EXTRAS]" "${PINS[@]}"
 # What the user installs into the venv later (pip install pandas) keeps the stack: pip reads the venv's

@@ -51,6 +51,7 @@ class Nccl:
     lib: str  # a folder with libnccl.so, which Horovod's CMake links against
     version: str
     source: str  # where it came from, as said to the user
+    runpath: str = ""  # where Horovod's library finds libnccl.so.2 at run time, if not the system's
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,9 @@ def find_nccl(toolkit: Toolkit, link_dir: Path, env: dict) -> Nccl | None:
         if link.is_symlink() or link.exists():
             link.unlink()
         link.symlink_to(base / "lib" / "libnccl.so.2")
+        # horovod/tensorflow/mpi_lib*.so and nvidia/nccl/lib/ lie in the same site-packages
         return Nccl(str(base / "include"), str(link_dir), nccl_version(base / "include" / "nccl.h"),
-                    "the nvidia-nccl-cu12 wheel")
+                    "the nvidia-nccl-cu12 wheel", "$ORIGIN/../../nvidia/nccl/lib")
     for include, libs in ((f"{toolkit.root}/include", [f"{toolkit.root}/lib64", f"{toolkit.root}/lib"]),
                           ("/usr/include", ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64"])):
         lib = next((d for d in libs if (Path(d) / "libnccl.so").exists()), None)
@@ -128,10 +130,29 @@ def find_nccl(toolkit: Toolkit, link_dir: Path, env: dict) -> Nccl | None:
     return None
 
 
-def plan(tf_cuda: str | None, gpus: int, toolkit: Toolkit | None, nccl, wanted: str) -> Plan:
+def host_compiler(toolkit: Toolkit, env: dict, accepts=None) -> str | None:
+    """The C++ compiler nvcc takes as its host compiler: $CXX (or g++) where it does, else the newest
+    g++-N here that it does (nvcc 12.4 takes GCC 13 at most; Debian trixie's g++ is 14). None: none.
+    Horovod compiles everything with that one compiler (CMAKE_CUDA_HOST_COMPILER is CMAKE_CXX_COMPILER)."""
+    # by its full path, as CMake gives it: Debian's nvcc finds a bare "g++" in a folder of its own first
+    accepts = accepts or (lambda cxx: subprocess.run(
+        [f"{toolkit.root}/bin/nvcc", "-ccbin", shutil.which(cxx, path=env.get("PATH", "")), "-E", "-x", "cu",
+         os.devnull, "-o", os.devnull], capture_output=True, timeout=120).returncode == 0)
+    default = env.get("CXX") or "g++"
+    versions = sorted((int(m.group(1)) for p in env.get("PATH", "").split(":") if os.path.isdir(p)
+                       for m in [re.fullmatch(r"g\+\+-(\d+)", f) for f in os.listdir(p)] if m), reverse=True)
+    for cxx in [default, *(f"g++-{v}" for v in dict.fromkeys(versions))]:
+        if shutil.which(cxx, path=env.get("PATH", "")) and accepts(cxx):
+            return cxx
+    return None
+
+
+def plan(tf_cuda: str | None, gpus: int, toolkit: Toolkit | None, nccl, wanted: str, ldflags: str = "",
+         compiler=lambda: "g++", cxx: str = "") -> Plan:
     """What to build. tf_cuda: the CUDA version TensorFlow was built with (None: a CPU build);
     nccl: a callable giving the Nccl found (looked for only once NCCL is to be built); wanted:
-    HVDTRAIN_NCCL ("auto", "1", "0")."""
+    HVDTRAIN_NCCL ("auto", "1", "0"); ldflags: the LDFLAGS the build has already; compiler: a
+    callable giving host_compiler(); cxx: $CXX."""
     cpu = Plan({}, "cpu", "Horovod with MPI and Gloo (CPU collectives)")
     if wanted == "0":
         return Plan({}, "cpu", cpu.said + ": HVDTRAIN_NCCL=0")
@@ -158,11 +179,20 @@ def plan(tf_cuda: str | None, gpus: int, toolkit: Toolkit | None, nccl, wanted: 
         raise Refused(f"the CUDA {toolkit.version} toolkit at {toolkit.root} has no NCCL beside it, and no "
                       f"nvidia-nccl-cu12 wheel is installed: install libnccl-dev, or set HOROVOD_NCCL_HOME; "
                       f"or HVDTRAIN_NCCL=0 for CPU collectives")
+    host = compiler()
+    if host is None:
+        raise Refused(f"nvcc {toolkit.version} takes none of the C++ compilers here as its host compiler "
+                      f"({cxx or 'g++'}, g++-N): install one it takes (CUDA 12.4: GCC 13 at most, "
+                      f"Debian's g++-13); or HVDTRAIN_NCCL=0 for CPU collectives")
     env = {"HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_CUDA_HOME": toolkit.root, "HOROVOD_NCCL_LINK": "SHARED",
            "HOROVOD_NCCL_INCLUDE": found.include, "HOROVOD_NCCL_LIB": found.lib}
+    if host != (cxx or "g++"):  # Horovod builds its C++ with the compiler nvcc takes
+        env.update(CXX=host, CC=host.replace("g++", "gcc"))
+    if found.runpath:  # the wheel's library is on no loader path: Horovod's library is told where it is
+        env["LDFLAGS"] = f"{ldflags} -Wl,-rpath,{found.runpath}".strip()
     return Plan(env, f"nccl-cuda{toolkit.version}",
                 f"Horovod with NCCL {found.version} (from {found.source}; GPU allreduce) compiled by the CUDA "
-                f"{toolkit.version} toolkit at {toolkit.root}, and MPI and Gloo")
+                f"{toolkit.version} toolkit at {toolkit.root} with {host}, and MPI and Gloo")
 
 
 def tensorflow_cuda() -> str | None:
@@ -178,7 +208,8 @@ def main(link_dir: str) -> int:
     toolkit = find_toolkit(env)
     try:
         chosen = plan(tensorflow_cuda(), gpus, toolkit, lambda: find_nccl(toolkit, Path(link_dir), env),
-                      env.get("HVDTRAIN_NCCL", "auto"))
+                      env.get("HVDTRAIN_NCCL", "auto"), env.get("LDFLAGS", ""),
+                      lambda: host_compiler(toolkit, env), env.get("CXX", ""))
     except Refused as e:
         print(f"setup: {e}", file=sys.stderr)
         return 1

@@ -34,7 +34,8 @@ def _toolkit(root: Path, version_text: str) -> Path:
 
 
 def _nccl(found=True):
-    return lambda: hb.Nccl("/inc", "/lib", "2.21.5", "the nvidia-nccl-cu12 wheel") if found else None
+    return lambda: hb.Nccl("/inc", "/lib", "2.21.5", "the nvidia-nccl-cu12 wheel", "$ORIGIN/../../nvidia/nccl/lib") \
+        if found else None
 
 
 def test_the_toolkit_version_and_gpus_are_read_from_the_tools_real_output():
@@ -52,11 +53,30 @@ def test_the_toolkit_is_found_by_cuda_home_before_path(tmp_path):
 
 
 def test_a_cuda_tensorflow_with_a_toolkit_of_its_major_builds_nccl_and_says_from_what():
-    chosen = hb.plan("12.5.1", 8, hb.Toolkit("/usr", "12.4"), _nccl(), "auto")
+    chosen = hb.plan("12.5.1", 8, hb.Toolkit("/usr", "12.4"), _nccl(), "auto", "-L/opt/x")
+    # the wheel's libnccl.so.2 is on no loader path: Horovod's library looks beside it, in site-packages
+    assert chosen.env["LDFLAGS"] == "-L/opt/x -Wl,-rpath,$ORIGIN/../../nvidia/nccl/lib"
     assert chosen.env["HOROVOD_GPU_OPERATIONS"] == "NCCL" and chosen.env["HOROVOD_NCCL_LINK"] == "SHARED"
     assert chosen.env["HOROVOD_CUDA_HOME"] == "/usr" and chosen.env["HOROVOD_NCCL_INCLUDE"] == "/inc"
     assert chosen.key == "nccl-cuda12.4"  # its own wheel cache, apart from the CPU build's
     assert "NCCL 2.21.5 (from the nvidia-nccl-cu12 wheel" in chosen.said and "CUDA 12.4 toolkit at /usr" in chosen.said
+    assert "CXX" not in chosen.env  # g++ is the one nvcc takes
+
+
+def test_horovod_is_built_with_the_newest_compiler_nvcc_takes_or_refused_in_one_line(tmp_path):
+    for version in ("14", "13", "12"):  # Debian trixie: g++ is 14, nvcc 12.4 takes 13 at most
+        tool = tmp_path / f"g++-{version}"
+        tool.write_text("#!/bin/sh\n")
+        tool.chmod(0o755)
+    (tmp_path / "g++").symlink_to(tmp_path / "g++-14")
+    env = {"PATH": str(tmp_path)}
+    takes = lambda most: (lambda cxx: cxx != "g++" and int(cxx.split("-")[1]) <= most)
+    assert hb.host_compiler(hb.Toolkit("/usr", "12.4"), env, takes(13)) == "g++-13"
+    assert hb.host_compiler(hb.Toolkit("/usr", "12.4"), env, takes(11)) is None
+    chosen = hb.plan("12.5.1", 1, hb.Toolkit("/usr", "12.4"), _nccl(), "auto", compiler=lambda: "g++-13")
+    assert (chosen.env["CXX"], chosen.env["CC"]) == ("g++-13", "gcc-13") and "with g++-13" in chosen.said
+    with pytest.raises(hb.Refused, match="Debian's g\\+\\+-13"):
+        hb.plan("12.5.1", 1, hb.Toolkit("/usr", "12.4"), _nccl(), "auto", compiler=lambda: None)
 
 
 def test_a_toolkit_of_another_major_is_refused_in_one_line():
@@ -102,6 +122,9 @@ def test_nccl_from_a_wheel_is_linked_by_a_libnccl_so_of_its_own(tmp_path, monkey
         monkeypatch.delitem(sys.modules, name)
     found = hb.find_nccl(hb.Toolkit("/nowhere", "12.4"), tmp_path / "link", {})
     assert (found.version, found.include, found.source) == ("2.21.5", str(wheel / "include"), "the nvidia-nccl-cu12 wheel")
+    # horovod/tensorflow/mpi_lib*.so, two folders below site-packages, finds the wheel's library
+    assert os.path.normpath(str(tmp_path / "site" / "horovod" / "tensorflow" / found.runpath.replace("$ORIGIN/", ""))) \
+        == str(wheel / "lib")
     assert os.path.realpath(Path(found.lib) / "libnccl.so") == str(wheel / "lib" / "libnccl.so.2")
 
 

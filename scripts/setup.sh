@@ -44,6 +44,8 @@ apt_install
 # Horovod 0.28.1's source, with hvdtrain's fixes to its build, each checked to have applied:
 # - GCC 13 and later no longer include <string> and <stdexcept> through other standard headers, as two of
 #   Horovod's headers assume (GCC 12, Debian bookworm's, still does);
+# - GCC 14 refuses the copy assignment of flatbuffers' span (bundled by Horovod) outright, as it assigns
+#   a const member; no code calls it, so that line goes;
 # - TensorFlow 2.20+: horovod/tensorflow/xla_mpi_ops.cc includes TensorFlow's XLA headers, which want
 #   highwayhash headers TensorFlow's wheel does not ship. The rest of that file is for GPU builds only
 #   (#if HAVE_GPU); with its includes under HAVE_GPU too, a CPU build compiles none of it.
@@ -59,6 +61,8 @@ horovod_source() {
   }
   fix horovod/common/group_table.h 's/^#include <mutex>$/&\n#include <string>/' '#include <string>'
   fix horovod/common/common.h 's/^#include <memory>$/&\n#include <stdexcept>/' '#include <stdexcept>'
+  fix third_party/flatbuffers/include/flatbuffers/stl_emulation.h \
+    's|^    count_ = other.count_;$|    /* count_ is const (hvdtrain) */|' '    /* count_ is const (hvdtrain) */'
   if [[ "$tf_version" != 2.1[0-9].* ]]; then
     fix horovod/tensorflow/xla_mpi_ops.cc 's/^#if TENSORFLOW_VERSION >= 2006000000$/& \&\& HAVE_GPU/' \
       '#if TENSORFLOW_VERSION >= 2006000000 && HAVE_GPU'

@@ -141,7 +141,7 @@ def before_apply_gradients(hook):
 def past_autograph(error: Exception) -> Exception:
     """`error` marked to leave a traced step as it is: AutoGraph (Keras 2 converts the step) would
     rewrite its message into a stack of the converted code."""
-    error.ag_pass_through = True
+    error.ag_pass_through = True  # type: ignore[attr-defined]
     return error
 
 

@@ -31,6 +31,9 @@ GET_A_TOOLKIT = ("get a CUDA {major} toolkit: NVIDIA's cuda-toolkit-{major}-x pa
                  "a cluster; then run set-up again (CUDA_HOME=/path/to/cuda where nvcc is not on PATH)")
 
 
+OR_CPU = "; or HVDTRAIN_NCCL=0 for CPU collectives"  # every refusal's way out
+
+
 class Refused(Exception):
     """Set-up cannot build what this host needs; the message says what to do, in one line."""
 
@@ -147,43 +150,45 @@ def host_compiler(toolkit: Toolkit, env: dict, accepts=None) -> str | None:
     return None
 
 
+def _cpu(why: str) -> Plan:
+    return Plan({}, "cpu", f"Horovod with MPI and Gloo (CPU collectives): {why}")
+
+
 def plan(tf_cuda: str | None, gpus: int, toolkit: Toolkit | None, nccl, wanted: str, ldflags: str = "",
          compiler=lambda: "g++", cxx: str = "") -> Plan:
     """What to build. tf_cuda: the CUDA version TensorFlow was built with (None: a CPU build);
     nccl: a callable giving the Nccl found (looked for only once NCCL is to be built); wanted:
     HVDTRAIN_NCCL ("auto", "1", "0"); ldflags: the LDFLAGS the build has already; compiler: a
     callable giving host_compiler(); cxx: $CXX."""
-    cpu = Plan({}, "cpu", "Horovod with MPI and Gloo (CPU collectives)")
     if wanted == "0":
-        return Plan({}, "cpu", cpu.said + ": HVDTRAIN_NCCL=0")
+        return _cpu("HVDTRAIN_NCCL=0")
     if tf_cuda is None:
         if wanted == "1" or gpus:
             raise Refused(f"{'HVDTRAIN_NCCL=1' if wanted == '1' else f'this host has {gpus} GPU(s)'}, and "
                           f"TensorFlow is a CPU build: set up with TensorFlow's CUDA build "
-                          f"(HVDTRAIN_TF='tensorflow[and-cuda]==VERSION'), or HVDTRAIN_NCCL=0 for CPU collectives")
-        return Plan({}, "cpu", cpu.said + ": TensorFlow is a CPU build")
+                          f"(HVDTRAIN_TF='tensorflow[and-cuda]==VERSION')" + OR_CPU)
+        return _cpu("TensorFlow is a CPU build")
     major = tf_cuda.split(".")[0]
     if toolkit is None:
         if wanted == "1" or gpus:
             raise Refused(f"no CUDA toolkit (nvcc) found for Horovod's NCCL ops, which TensorFlow's CUDA "
                           f"{tf_cuda} needs on {'this GPU host' if gpus else 'HVDTRAIN_NCCL=1'}: "
-                          + GET_A_TOOLKIT.format(major=major) + "; or HVDTRAIN_NCCL=0 for CPU collectives")
-        return Plan({}, "cpu", cpu.said + f": no CUDA toolkit (nvcc) found; {GET_A_TOOLKIT.format(major=major)} "
-                                          f"for NCCL")
+                          + GET_A_TOOLKIT.format(major=major) + OR_CPU)
+        return _cpu(f"no CUDA toolkit (nvcc) found; {GET_A_TOOLKIT.format(major=major)} for NCCL")
     if toolkit.major != major:
         raise Refused(f"the CUDA toolkit at {toolkit.root} is {toolkit.version}, and TensorFlow was built with "
                       f"CUDA {tf_cuda}: Horovod's NCCL ops must be compiled by a CUDA {major} toolkit; "
-                      + GET_A_TOOLKIT.format(major=major) + "; or HVDTRAIN_NCCL=0 for CPU collectives")
+                      + GET_A_TOOLKIT.format(major=major) + OR_CPU)
     found = nccl()
     if found is None:
         raise Refused(f"the CUDA {toolkit.version} toolkit at {toolkit.root} has no NCCL beside it, and no "
-                      f"nvidia-nccl-cu12 wheel is installed: install libnccl-dev, or set HOROVOD_NCCL_HOME; "
-                      f"or HVDTRAIN_NCCL=0 for CPU collectives")
+                      f"nvidia-nccl-cu12 wheel is installed: install libnccl-dev, or set HOROVOD_NCCL_HOME"
+                      + OR_CPU)
     host = compiler()
     if host is None:
         raise Refused(f"nvcc {toolkit.version} takes none of the C++ compilers here as its host compiler "
                       f"({cxx or 'g++'}, g++-N): install one it takes (CUDA 12.4: GCC 13 at most, "
-                      f"Debian's g++-13); or HVDTRAIN_NCCL=0 for CPU collectives")
+                      f"Debian's g++-13)" + OR_CPU)
     env = {"HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_CUDA_HOME": toolkit.root, "HOROVOD_NCCL_LINK": "SHARED",
            "HOROVOD_NCCL_INCLUDE": found.include, "HOROVOD_NCCL_LIB": found.lib}
     if host != (cxx or "g++"):  # Horovod builds its C++ with the compiler nvcc takes

@@ -40,6 +40,8 @@ def compile_for_training(model, cfg: Config, world: runtime.World, data, callbac
     # one stream across epochs (an infinite pipeline) has no epoch's end for a call to stop at
     plan = models.compile_plan(model, cfg, data.steps_per_epoch if data.epoch is None else None, bool(per_batch))
     _xla_only_where_horovod_has_it(plan, cfg, world)
+    if optimizer.alone_for_good():
+        plan.notes.append("one worker: its gradients go to the update as they are, with no allreduce")
     own = own_compile(model)
     if own:
         info, rates, notes = _keep_own_compile(model, cfg, plan, own)
@@ -168,17 +170,31 @@ LOCAL_SETTINGS = ("verbose", "log_every", "threads", "worker_logs", "config", "o
 
 
 def _xla_only_where_horovod_has_it(plan, cfg: Config, world: runtime.World):
-    """XLA compiles the whole step, Horovod's allreduce included, and Horovod 0.28.1 has XLA kernels for
-    its ops only on GPUs (behind HOROVOD_ENABLE_XLA_OPS=1, which --jit-compile sets): on CPU workers
-    the step fails to compile at the first batch, at one worker too (the allreduce sits in a cond)."""
-    if not plan.kwargs.get("jit_compile") or world.device.startswith("GPU"):
+    """XLA compiles the whole step, Horovod's allreduce included, which needs Horovod's XLA kernels (behind
+    HOROVOD_ENABLE_XLA_OPS=1, which --jit-compile sets). Where there are none, the step fails to compile at
+    the first batch, at one worker too (the allreduce sits in a cond): say so before."""
+    import tensorflow as tf
+
+    why = horovod_lacks_xla_kernels(world.device, tf.__version__)
+    if not plan.kwargs.get("jit_compile") or not why:
         return
     if cfg.jit_compile:
-        raise UserError("--jit-compile: XLA cannot compile Horovod's allreduce on CPU workers (Horovod has "
-                        "XLA kernels for GPUs only); drop --jit-compile")
+        raise UserError(f"--jit-compile: XLA cannot compile Horovod's allreduce {why}; drop --jit-compile")
     plan.kwargs["jit_compile"] = False
-    plan.notes.append("the model was compiled with jit_compile=True: XLA is off, since it cannot compile "
-                      "Horovod's allreduce on CPU workers (Horovod has XLA kernels for GPUs only)")
+    plan.notes.append(f"the model was compiled with jit_compile=True: XLA is off, since it cannot compile "
+                      f"Horovod's allreduce {why}")
+
+
+def horovod_lacks_xla_kernels(device: str, tf_version: str) -> str:
+    """Why Horovod has no XLA kernels for its ops on these workers, or "" where it has them: Horovod 0.28.1
+    has them for GPUs only, and hvdtrain's set-up leaves them out of builds against TensorFlow 2.20+, whose
+    wheel lacks headers they include (scripts/setup.sh)."""
+    if not device.startswith("GPU"):
+        return "on CPU workers (Horovod has XLA kernels for GPUs only)"
+    if tuple(int(part) for part in tf_version.split(".")[:2]) >= (2, 20):
+        return (f"with TensorFlow {tf_version} (set-up leaves Horovod's XLA kernels out of builds against "
+                f"TensorFlow 2.20+, whose wheel lacks headers they include)")
+    return ""
 
 
 def _refuse_data_without_targets(model, element_spec):

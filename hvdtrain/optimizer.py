@@ -220,8 +220,25 @@ def _distributed_keras3(opt, cfg: Config, loss_scale: bool = True):
 
 def _signalling(allreduce):
     """The gradients' allreduce, as both stacks wrap it: it also carries this rank's preemption flag
-    (preemption.py), and counts this rank's arrival there for the hang watchdog (watchdog.py)."""
+    (preemption.py), and counts this rank's arrival there for the hang watchdog (watchdog.py).
+
+    One worker of a job of fixed size has no one to average with, to tell of a stop or to wait for:
+    its gradients go to the update as they are, as in plain Keras. Horovod's allreduce would put a
+    tf.cond around each gradient and hvdtrain a flag and two counters in the step: at one worker the
+    mlp's step took twice plain Keras' time (docs/benchmarks.md, the step's cost). An elastic job
+    may grow from one worker, so it keeps them."""
+    if alone_for_good():
+        return _as_they_are
     return watchdog.arrivals().counting(preemption.flag().along_with(allreduce))
+
+
+def _as_they_are(grads, variables):
+    return list(grads)
+
+
+def alone_for_good() -> bool:
+    """One worker, in a job that cannot grow (not elastic): there is no allreduce to run."""
+    return runtime.started() and runtime.world().size == 1 and not runtime.launched_elastic()
 
 
 class _Keras2Patches:

@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# Build the base image docker/Dockerfile starts from, when it is missing, without pulling from a
-# container registry: a Debian bookworm minbase root filesystem made by debootstrap, imported with
-# `docker import`.
+# Build the base image docker/Dockerfile (bookworm) or docker/Dockerfile.gpu (trixie) starts from, when
+# it is missing, without pulling from a container registry: a Debian minbase root filesystem made by
+# debootstrap, imported with `docker import`.
 #
-#   scripts/docker_base.sh            # builds hvdtrain/bookworm-minbase:latest if missing
-#   scripts/docker_base.sh --force    # rebuild it
+#   scripts/docker_base.sh                 # builds hvdtrain/bookworm-minbase:latest if missing
+#   SUITE=trixie scripts/docker_base.sh    # hvdtrain/trixie-minbase:latest, the GPU image's base
+#   scripts/docker_base.sh --force         # rebuild it
 #   BASE_IMAGE=name:tag scripts/docker_base.sh
 #
-# The root filesystem gets this machine's apt sources (so apt inside containers uses the same
-# mirror/snapshot) and this machine's local CA certificates (/usr/local/share/ca-certificates/*), so
-# that apt and pip inside the containers trust the same TLS proxies this machine trusts.
-# Where you can pull images, you may instead build with --build-arg BASE=debian:bookworm-slim.
+# The root filesystem gets this machine's apt sources where they are for the same suite (so apt inside
+# containers uses the same mirror/snapshot), else DEBIAN_MIRROR's main, contrib and non-free (Debian's CUDA
+# toolkit is in non-free, its NCCL in contrib); and this machine's local CA certificates
+# (/usr/local/share/ca-certificates/*), so that apt and pip inside the containers trust the same TLS
+# proxies this machine trusts. Where you can pull images, you may instead build with
+# --build-arg BASE=debian:bookworm-slim.
 set -euo pipefail
 
-IMAGE=${BASE_IMAGE:-hvdtrain/bookworm-minbase:latest}
-SUITE=bookworm
+SUITE=${SUITE:-bookworm}
+IMAGE=${BASE_IMAGE:-hvdtrain/$SUITE-minbase:latest}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 
 log() { echo "docker_base: $*" >&2; }
@@ -39,8 +42,12 @@ debootstrap --variant=minbase --include=ca-certificates "$SUITE" "$ROOTFS" "$MIR
   tail -30 "$ROOTFS.log" >&2; rm -f "$ROOTFS.log"; exit 1; }
 rm -f "$ROOTFS.log"
 
-# the same apt sources as this machine (mirror, snapshot, suites)
-if [ -d /etc/apt/sources.list.d ] && ls /etc/apt/sources.list.d/*.sources >/dev/null 2>&1; then
+# the same apt sources as this machine (mirror, snapshot, suites), where this machine runs the same suite
+if [ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" != "$SUITE" ]; then
+  rm -f "$ROOTFS/etc/apt/sources.list"
+  printf 'Types: deb\nURIs: %s\nSuites: %s %s-updates\nComponents: main contrib non-free\nSigned-By: %s\n' \
+    "$MIRROR" "$SUITE" "$SUITE" /usr/share/keyrings/debian-archive-keyring.gpg > "$ROOTFS/etc/apt/sources.list.d/debian.sources"
+elif [ -d /etc/apt/sources.list.d ] && ls /etc/apt/sources.list.d/*.sources >/dev/null 2>&1; then
   rm -f "$ROOTFS/etc/apt/sources.list"
   cp /etc/apt/sources.list.d/*.sources "$ROOTFS/etc/apt/sources.list.d/"
 elif [ -f /etc/apt/sources.list ]; then

@@ -5,7 +5,7 @@
 #
 # The stack (HVDTRAIN_STACK overrides; PYTHON picks the interpreter, default python3):
 #   keras3  TensorFlow 2.18.1, Keras 3, numpy 2: Python 3.10-3.12 (the default wherever it runs);
-#           on Python 3.13 TensorFlow 2.21.0, Horovod built with one line of its own changed (below)
+#           on Python 3.13 TensorFlow 2.21.0 (2.20.0 for GPUs), Horovod built with one line of its own changed (below)
 #   keras2  TensorFlow 2.15.1, Keras 2 (tf.keras), numpy<2: Python 3.9-3.11
 # HVDTRAIN_VENV names the venv (default .venv), so both stacks can live side by side.
 set -euo pipefail
@@ -46,9 +46,10 @@ apt_install
 #   Horovod's headers assume (GCC 12, Debian bookworm's, still does);
 # - GCC 14 refuses the copy assignment of flatbuffers' span (bundled by Horovod) outright, as it assigns
 #   a const member; no code calls it, so that line goes;
-# - TensorFlow 2.20+: horovod/tensorflow/xla_mpi_ops.cc includes TensorFlow's XLA headers, which want
-#   highwayhash headers TensorFlow's wheel does not ship. The rest of that file is for GPU builds only
-#   (#if HAVE_GPU); with its includes under HAVE_GPU too, a CPU build compiles none of it.
+# - TensorFlow 2.20+: horovod/tensorflow/xla_mpi_ops.cc (Horovod's XLA kernels, for GPU builds only)
+#   includes TensorFlow's XLA headers, which want highwayhash and farmhash headers TensorFlow's wheel does
+#   not ship. That file is left out of such builds: CPU builds compiled none of it but its includes, and
+#   GPU builds lose only XLA's way to the allreduce (hvdtrain then refuses --jit-compile; see compiling.py).
 horovod_source() {
   local tf_version=$1 src
   src=$(mktemp -d)
@@ -64,8 +65,8 @@ horovod_source() {
   fix third_party/flatbuffers/include/flatbuffers/stl_emulation.h \
     's|^    count_ = other.count_;$|    /* count_ is const (hvdtrain) */|' '    /* count_ is const (hvdtrain) */'
   if [[ "$tf_version" != 2.1[0-9].* ]]; then
-    fix horovod/tensorflow/xla_mpi_ops.cc 's/^#if TENSORFLOW_VERSION >= 2006000000$/& \&\& HAVE_GPU/' \
-      '#if TENSORFLOW_VERSION >= 2006000000 && HAVE_GPU'
+    fix horovod/tensorflow/xla_mpi_ops.cc 's/^#if TENSORFLOW_VERSION >= 2006000000$/& \&\& TENSORFLOW_VERSION < 2020000000/' \
+      '#if TENSORFLOW_VERSION >= 2006000000 && TENSORFLOW_VERSION < 2020000000'
   fi
   echo "$src"
 }
@@ -93,8 +94,12 @@ esac
 # The bench's plots (matplotlib) on the keras2 stack only: Keras 3 imports matplotlib.pyplot at start-up
 # wherever it is installed (half a second of every worker's start); `pip install matplotlib` draws them.
 case "$STACK" in keras2) EXTRAS="dev,plots" ;; *) EXTRAS="dev" ;; esac
-# A GPU host gets TensorFlow's CUDA build (with pip's CUDA, cuDNN and NCCL wheels), unless HVDTRAIN_TF says
-if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+# A GPU host, or HVDTRAIN_NCCL=1 (an image built where no GPU is), gets TensorFlow's CUDA build (with pip's
+# CUDA, cuDNN and NCCL wheels), unless HVDTRAIN_TF says otherwise. On Python 3.13 that is TensorFlow 2.20:
+# Horovod's GPU build against 2.21 compiles but does not load (its ops call stream_executor's
+# AsGpuStreamValue, which 2.21 no longer has; conda-forge patches Horovod's code for it).
+if [ "${HVDTRAIN_NCCL:-}" = 1 ] || { command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }; then
+  TF_DEFAULT=${TF_DEFAULT/tensorflow-cpu==2.21.0/tensorflow-cpu==2.20.0}
   TF_DEFAULT=${TF_DEFAULT/tensorflow-cpu==/tensorflow[and-cuda]==}
 fi
 TF_SPEC=${HVDTRAIN_TF:-$TF_DEFAULT}

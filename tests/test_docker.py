@@ -1,4 +1,5 @@
-"""The docker-compose cluster: build the CPU image, train 2 nodes x 2 slots, read the shared volume.
+"""The docker-compose cluster: build the CPU image, train 2 nodes x 2 slots, read the shared volume. And
+the GPU image, built here without a GPU: Horovod with NCCL, training on its CPUs as the CPU image does.
 
 Slow the first time (debootstrap, apt, pip: ~10+ minutes); with the base image and Docker's layer
 cache warm, a few minutes. Needs a Docker daemon (scripts/docker_up.sh starts one as root).
@@ -6,6 +7,7 @@ Run alone with `pytest -m docker`.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,6 +19,7 @@ from jobs import ROOT, run
 pytestmark = [pytest.mark.docker, pytest.mark.alone, pytest.mark.full]
 
 IMAGE = os.environ.get("HVDTRAIN_IMAGE", "hvdtrain:cpu")
+GPU_IMAGE = "hvdtrain:gpu"
 PROJECT = "hvdtraintest"
 COMPOSE_FILE = ROOT / "docker" / "docker-compose.yml"
 WHEELS = ROOT / "docker" / "wheels"
@@ -94,3 +97,58 @@ def test_compose_two_nodes_train(compose, image, workers, controller):
     digests = summary["weights_sha256_by_rank"]
     assert len(digests) == 4 and len(set(digests)) == 1, digests
     assert found["model_bytes"] > 0
+
+
+@pytest.fixture(scope="module")
+def gpu_image(compose):
+    """The GPU image on a trixie base made by debootstrap: Debian's CUDA toolkit is a layer of its own, so a
+    rebuild after a code change costs the set-up layer at most, not the toolkit's download."""
+    sh([ROOT / "scripts" / "docker_base.sh"], timeout=1200, env={"SUITE": "trixie"})
+    sh(["docker", "build", "--network", "host", "-f", ROOT / "docker" / "Dockerfile.gpu", "-t", GPU_IMAGE, "."],
+       timeout=3600)
+    return GPU_IMAGE
+
+
+def in_image(image, *cmd, timeout=600):
+    """cmd in a fresh container of image, with no network, as a user's `docker run` would."""
+    return sh(["docker", "run", "--rm", "--network", "none", "--shm-size", "1g", "--entrypoint", cmd[0], image,
+               *cmd[1:]], timeout=timeout)
+
+
+def default_job_metrics(image):
+    """The README's job at 2 workers inside image: its final metrics, from rank 0's summary."""
+    proc = in_image(image, "bash", "-c",
+                    "horovodrun -np 2 python -m hvdtrain --verbose 0 --output-dir /tmp/run >/tmp/job.log 2>&1 "
+                    "|| { tail -40 /tmp/job.log; exit 1; }; "
+                    "python -c 'import json; print(json.dumps(json.load(open(\"/tmp/run/summary.json\"))[\"metrics\"]))'")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_gpu_image_has_horovod_with_nccl_and_trains_as_the_cpu_image_does(compose, image, gpu_image):
+    """What a GPU cluster needs is in the image: Horovod's NCCL ops (check-build, nccl_built, the doctor),
+    and on CPUs it trains the default job to the CPU image's numbers, alone and as the compose cluster."""
+    check = in_image(gpu_image, "horovodrun", "--check-build").stdout
+    assert re.search(r"\[X\] NCCL", check), check
+    built = in_image(gpu_image, "python", "-c", "import horovod.tensorflow as h; print('NCCL', h.nccl_built())")
+    assert re.search(r"^NCCL [1-9]\d*$", built.stdout, re.M), built.stdout
+    doctor = sh(["docker", "run", "--rm", "--network", "none", "--entrypoint", "python", gpu_image, "-m",
+                 "hvdtrain", "doctor"], timeout=300, check=False).stdout
+    assert "tensor operations NCCL, MPI, Gloo" in doctor, doctor
+
+    on_gpu_image, on_cpu_image = default_job_metrics(gpu_image), default_job_metrics(image)
+    assert on_gpu_image.keys() == on_cpu_image.keys()
+    for name, value in on_cpu_image.items():
+        assert on_gpu_image[name] == pytest.approx(value, rel=1e-5), (name, on_gpu_image, on_cpu_image)
+
+    # the compose file starts the same cluster from the GPU image
+    cluster = [c if c != PROJECT else PROJECT + "gpu" for c in compose]
+    env = {"HVDTRAIN_IMAGE": gpu_image}
+    try:
+        sh(cluster + ["up", "-d", "worker1", "worker2"], timeout=300, env=env)
+        job = sh(cluster + ["run", "--rm", "launcher"], timeout=600, check=False, env=env)
+        assert job.returncode == 0, job.stdout[-6000:]
+        summary = read_volume(gpu_image, PROJECT + "gpu_data",
+                              "import json; print(json.dumps(json.load(open('/data/runs/compose/summary.json'))))")
+        assert summary["world_size"] == 4 and sorted(set(summary["hosts"])) == ["worker1", "worker2"], summary
+    finally:
+        sh(cluster + ["down", "-v", "--remove-orphans"], timeout=180, check=False, env=env)

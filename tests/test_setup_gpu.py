@@ -135,3 +135,17 @@ def test_the_script_prints_the_plan_setup_evaluates():
     assert out.returncode == 0, out.stderr
     assert "export HVDTRAIN_COLLECTIVES=cpu" in out.stdout.splitlines()
     assert "TensorFlow is a CPU build" in out.stdout
+
+
+@pytest.mark.parametrize("device, tf_version, has_kernels", [
+    ("CPU:0", "2.18.1", False), ("GPU:0", "2.15.1", True), ("GPU:0", "2.18.1", True),
+    ("GPU:0", "2.20.0", False), ("GPU:0", "2.21.0", False)])
+def test_jit_compile_is_refused_where_horovod_has_no_xla_kernels(device, tf_version, has_kernels):
+    """Set-up leaves Horovod's XLA kernels out of builds against TensorFlow 2.20+ (scripts/setup.sh), and
+    Horovod has none on CPUs: there --jit-compile is refused before training, with the reason."""
+    from hvdtrain.compiling import horovod_lacks_xla_kernels
+
+    why = horovod_lacks_xla_kernels(device, tf_version)
+    assert (why == "") == has_kernels
+    if not has_kernels and device.startswith("GPU"):
+        assert f"TensorFlow {tf_version}" in why and "2.20+" in why

@@ -24,7 +24,11 @@ log = logging.getLogger("hvdtrain")
 _RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 EXIT_STATUS = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, the same command may be run again
-GLOO_CPU_CYCLE_TIME_MS = "5"  # Horovod's cycle time for CPU workers under Gloo (its default is 1 ms)
+# Horovod's background cycle for launched CPU workers, by controller (Horovod's default: 1 ms). A step's
+# allreduce waits for the next cycle; under Gloo each cycle is also a round of messages that costs the
+# shared cores compute. Measured (docs/benchmarks.md, "The step's cost"): under MPI 0.2 ms lifted 2 workers
+# on 2 cores from below one worker to above it on the mlp and cnn; under Gloo 5 ms is ResNet-50's best.
+CPU_CYCLE_TIME_MS = {"mpi": "0.2", "gloo": "5"}
 
 
 def under_launcher() -> bool:
@@ -47,6 +51,7 @@ class World:
     local_rank: int = 0
     local_size: int = 1
     device: str = ""  # set by init(): what this worker pinned
+    cycle: str = ""  # set by init(): Horovod's cycle time, and whose choice it is
 
     @property
     def is_chief(self) -> bool:
@@ -136,11 +141,7 @@ def init(threads: int = 0, horovod_env: dict | None = None) -> World:
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
-    if not gpus and os.environ.get("HOROVOD_CONTROLLER") == "gloo":
-        # Under Gloo, every background-loop cycle is a round of Gloo messages; on CPU workers that share
-        # the cores with the training, a 1 ms cycle costs throughput (ResNet-50, 2 workers on 2 cores:
-        # 65% scaling efficiency at 1 ms, 82% at 5 ms; docs/benchmarks.md). Read by hvd.init().
-        os.environ.setdefault("HOROVOD_CYCLE_TIME", GLOO_CPU_CYCLE_TIME_MS)
+    cycle = _cycle_time(bool(gpus))  # read by hvd.init()
     hvd.init()
     rank, size, local_rank, local_size = hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()
     index, why = choose_gpu(len(gpus), local_rank, local_size, os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -162,8 +163,21 @@ def init(threads: int = 0, horovod_env: dict | None = None) -> World:
             device = f"CPU, {n} intra-op thread(s)"
         except RuntimeError:  # TensorFlow already started (hvdtrain.fit without hvdtrain.init first)
             device = f"CPU, {tf.config.threading.get_intra_op_parallelism_threads() or 'all'} thread(s)"
-    _world = World(rank, size, local_rank, local_size, device)
+    _world = World(rank, size, local_rank, local_size, device, cycle)
     return _world
+
+
+def _cycle_time(gpus: bool) -> str:
+    """Set Horovod's cycle time where hvdtrain has a measured default (launched CPU workers), and say
+    which it is and where it comes from: the same words on every rank of a job."""
+    controller = "gloo" if os.environ.get("HOROVOD_CONTROLLER") == "gloo" else "mpi"
+    if "HOROVOD_CYCLE_TIME" in os.environ:
+        return f"Horovod cycle {os.environ['HOROVOD_CYCLE_TIME']} ms (set: --cycle-time-ms or HOROVOD_CYCLE_TIME)"
+    if gpus or not under_launcher():
+        return "Horovod cycle 1 ms (Horovod's default)"
+    os.environ["HOROVOD_CYCLE_TIME"] = CPU_CYCLE_TIME_MS[controller]
+    return (f"Horovod cycle {CPU_CYCLE_TIME_MS[controller]} ms (hvdtrain's default for CPU workers under "
+            f"{'Gloo' if controller == 'gloo' else 'MPI'}; --cycle-time-ms)")
 
 
 def choose_gpu(visible: int, local_rank: int, local_size: int, cuda_visible_devices: str | None,
@@ -203,7 +217,7 @@ def refresh() -> World:
     global _world
     import horovod.tensorflow as hvd
 
-    _world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), _world.device)
+    _world = World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), _world.device, _world.cycle)
     return _world
 
 

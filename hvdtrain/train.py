@@ -278,8 +278,9 @@ def _introduce(cfg: Config, world: runtime.World):
     """This worker's log file, and a line from every worker: its rank, host, pid and device."""
     runtime.setup_logging(os.path.join(cfg.run_dir, "logs", f"rank{world.rank}.log")
                           if cfg.worker_logs else None)
-    log.info("rank %d/%d (local %d/%d) on %s, pid %d: %s", world.rank, world.size, world.local_rank,
-             world.local_size, socket.gethostname(), os.getpid(), world.device, extra=runtime.EVERY_RANK)
+    log.info("rank %d/%d (local %d/%d) on %s, pid %d: %s; %s", world.rank, world.size, world.local_rank,
+             world.local_size, socket.gethostname(), os.getpid(), world.device, world.cycle,
+             extra=runtime.EVERY_RANK)
     _warn_if_stall_check_is_blind(cfg, world)
 
 

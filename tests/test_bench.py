@@ -16,7 +16,7 @@ import pytest
 
 from jobs import KERAS3, PYTHON, ROOT, job_env, run
 from doc_commands import all_commands, is_bench, shell, small
-from hvdtrain.bench import launch, sections
+from hvdtrain.bench import cli, launch, sections
 
 # Not run alone: at HVDTRAIN_BENCH_SMALL's sizes the figures measure nothing (the report says so), and
 # what the tests check is what each section reports, not its figures.
@@ -244,9 +244,33 @@ def sync_vs_async(res, text, out):
     assert "ps1-lrxN" in text
 
 
+def step(res, text, out):
+    """Four runs a round, in order; each round's ratios and step parts from that round's own figures."""
+    a, st = res["args"], res["step"]
+    n = max(a["workers"])
+    assert st["workers"] == n and st["controller"] == _controller(a) and st["batch_size_per_worker"] == a["batch_size"]
+    assert [r["model"] for r in st["rows"]] == a["checkpoint_models"]
+    for r in st["rows"]:
+        runs, ms = r["samples_per_sec"], r["step_ms"]
+        assert all(len(v) == a["repeats"] and all(x > 0 for x in v) for v in runs.values())
+        for rep in range(a["repeats"]):
+            assert _summary(out / f"step-{r['model']}-one-{rep}")["world_size"] == 1
+            assert _summary(out / f"step-{r['model']}-{n}-{rep}")["world_size"] == n
+        plain, one, side, many = (runs[k] for k in ("plain", "hvdtrain_1", "plain_side_by_side", "hvdtrain_n"))
+        assert r["ratios"]["1_worker_vs_plain"] == [o / p for o, p in zip(one, plain)]
+        assert r["ratios"]["n_workers_vs_1_worker"] == [m / o for m, o in zip(many, one)]
+        step_of = lambda rate, k=1: 1000 * a["batch_size"] * k / rate  # noqa: E731
+        assert ms["compute"] == pytest.approx([step_of(p) for p in plain])
+        assert ms["allreduce"] == pytest.approx([step_of(m, n) - step_of(s, n) for m, s in zip(many, side)])
+        for name, values in {**r["ratios"], **ms}.items():
+            assert r["median"][name] == _median(values)
+        assert f"bench: step {r['model']}: plain Keras" in text
+    assert "== the step's cost" in text and "the allreduce" in text
+
+
 CHECKS = {"allreduce": allreduce, "scaling": scaling, "baseline": baseline, "levers": levers, "recipe": recipe,
           "startup": startup, "checkpoint": checkpoint, "callbacks": callbacks, "preemption": preemption,
-          "stacks": stacks, "scale": scale, "sync-vs-async": sync_vs_async}
+          "stacks": stacks, "scale": scale, "step": step, "sync-vs-async": sync_vs_async}
 
 
 def _checked(out: Path, text: str, named: list) -> dict:
@@ -260,9 +284,9 @@ def _checked(out: Path, text: str, named: list) -> dict:
 
 
 def _named(cmd: str) -> list:
-    """The sections a command names; without --sections, every section but stacks and scale."""
+    """The sections a command names; without --sections, every section but stacks, scale and step."""
     found = re.search(r"--sections (\S+)", cmd)
-    return found.group(1).split(",") if found else [s for s in CHECKS if s not in ("stacks", "scale")]
+    return found.group(1).split(",") if found else [s for s in CHECKS if s not in cli.NOT_BY_DEFAULT]
 
 
 # ---------------------------------------------------------------- the docs' commands, as written
@@ -405,9 +429,9 @@ def test_a_bench_command_that_a_section_would_refuse_is_refused_before_anything_
                 "--out", str(tmp_path / "b")], timeout=60, env={"HVDTRAIN_BENCH_DRY_RUN": "1"})
     assert proc.returncode == 0 and "valid for the sections recipe, stacks; nothing was run" in proc.stdout
     assert not (tmp_path / "b").exists()
-    # without --sections: every section but stacks and scale, as the README says
+    # without --sections: every section but stacks, scale and step, as docs/benchmarks.md says
     proc = run([PYTHON, "-m", "hvdtrain", "bench", "--workers", "1,2", "--out", str(tmp_path / "b")], timeout=60,
                env={"HVDTRAIN_BENCH_DRY_RUN": "1"})
     listed = re.search(r"valid for the sections (.*); nothing was run", proc.stdout)
     assert proc.returncode == 0 and listed, proc.stdout
-    assert sorted(listed.group(1).split(", ")) == sorted(s for s in CHECKS if s not in ("stacks", "scale"))
+    assert sorted(listed.group(1).split(", ")) == sorted(s for s in CHECKS if s not in ("stacks", "scale", "step"))

@@ -171,6 +171,7 @@ def test_timeline_is_written_by_rank0_as_a_chrome_trace_and_gloo_says_it_has_no_
     assert "Horovod's stall check does not report under the Gloo controller" in proc.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["runtime_env"]["HOROVOD_CYCLE_TIME"] == "2.0"  # the flag wins over hvdtrain's default
+    assert "Horovod cycle 2.0 ms (set: --cycle-time-ms" in (tmp_path / "run" / "logs" / "rank1.log").read_text()
 
 
 @pytest.mark.full

@@ -12,7 +12,7 @@ from .. import bench
 
 from .. import compat
 from ..config import UserError
-from . import launch, report, sections, sync_vs_async
+from . import launch, report, sections, step_cost, sync_vs_async
 
 def parser():
     p = argparse.ArgumentParser(prog="hvdtrain bench", description=bench.__doc__.splitlines()[0])
@@ -40,9 +40,9 @@ def parser():
     p.add_argument("--levers", type=lambda s: s.split(","),
                    help=f"levers: these instead of each model's own ({', '.join(sections.LEVERS)})")
     p.add_argument("--checkpoint-models", type=lambda s: s.split(","), default=["mlp", "cnn", "resnet50"],
-                   help="recipe, checkpoint, callbacks, preemption, stacks: the built-in models, each at its size (MODEL_SIZES)")
+                   help="recipe, checkpoint, callbacks, preemption, stacks, step: the built-in models, each at its size (MODEL_SIZES)")
     p.add_argument("--epoch-steps", type=_per_model, default={},
-                   help="recipe, checkpoint, callbacks, preemption, stacks: steps per epoch by model in place of "
+                   help="recipe, checkpoint, callbacks, preemption, stacks, step: steps per epoch by model in place of "
                         "MODEL_SIZES' (mlp=187,resnet50=13: counts that no number of steps per call divides)")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--out", default="runs/bench")
@@ -87,9 +87,11 @@ SECTIONS = {
     "preemption": lambda args, out, results: sections.preemption_cost(args, out),
     "stacks": lambda args, out, results: sections.stacks(args, out),
     "scale": lambda args, out, results: sections.scale(args, out),
+    "step": lambda args, out, results: step_cost.step(args, out),
     "sync-vs-async": _sync_vs_async,
 }
-DEFAULT_SECTIONS = [s for s in SECTIONS if s not in ("stacks", "scale")]
+NOT_BY_DEFAULT = ("stacks", "scale", "step")  # another venv; many ranks; many rounds of four runs
+DEFAULT_SECTIONS = [s for s in SECTIONS if s not in NOT_BY_DEFAULT]
 SMALL = "HVDTRAIN_BENCH_SMALL"  # set (to 1): every section as asked for, at its smallest sizes
 DRY_RUN = "HVDTRAIN_BENCH_DRY_RUN"  # set (to 1): the flags checked as every section reads them; nothing runs
 

@@ -88,6 +88,8 @@ def report(results: dict) -> str:
         b = results["baseline"]
         lines.append(f"== 1 worker: hvdtrain {spread(b['hvdtrain_1_worker'], '{:.1f}')} vs plain Keras "
                      f"{spread(b['plain_keras_fit'], '{:.1f}')} samples/s (ratio {spread(b['ratios'])})")
+    if "step" in results:
+        lines += _step_lines(results["step"])
     if "startup" in results:
         st = results["startup"]
         lines.append(f"== start-up, {st['records']} records at {st['workers']} workers (median of "
@@ -143,3 +145,20 @@ def report(results: dict) -> str:
     if "sync_vs_async" in results:
         lines.append(sync_vs_async.table(results["sync_vs_async"]))
     return "\n".join(lines)
+
+
+def _step_lines(st: dict) -> list:
+    n = st["workers"]
+    lines = [f"== the step's cost ({st['controller']}, batch {st['batch_size_per_worker']}/worker, "
+             f"{st['threads_per_worker']} thread(s)/worker; min/median/max of {len(st['rows'][0]['ratios']['1_worker_vs_plain'])} rounds)"]
+    for r in st["rows"]:
+        ratios, ms = r["ratios"], r["step_ms"]
+        lines.append(f"  {r['model']:9} 1 worker / plain Keras {spread(ratios['1_worker_vs_plain'])}  "
+                     f"{n} workers / 1 worker {spread(ratios['n_workers_vs_1_worker'])}  "
+                     f"{n} workers / plain Keras {spread(ratios['n_workers_vs_plain'])}  "
+                     f"{n} workers / {n} x plain side by side {spread(ratios['n_workers_vs_side_by_side'])}")
+        lines.append(f"  {'':9} step ms (median): compute {r['median']['compute']:.3f}, hvdtrain's own "
+                     f"{r['median']['hvdtrain_own']:+.3f}, sharing the cores {r['median']['sharing_the_cores']:+.3f}, "
+                     f"the allreduce {r['median']['allreduce']:+.3f}; spreads "
+                     + ", ".join(f"{k} {spread(v, '{:+.3f}')}" for k, v in ms.items() if k != "compute"))
+    return lines

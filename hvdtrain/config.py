@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 from dataclasses import dataclass, field
 import typing
@@ -31,6 +32,35 @@ DEFAULT_STEPS_PER_EXECUTION = 10
 BUILT_IN_VAL_SPLIT = 0.2  # held out from the built-in data sets that come without a validation split
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SCHEDULES = ("constant", "step", "cosine")
+
+
+class Mode(str, enum.Enum):
+    """A mode a flag names: compared as the enum, read and written (flags, YAML, summary.json) as its word."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Reduction(Mode):
+    """How the gradients are combined: Horovod's ring-allreduce average, or Adasum."""
+    AVERAGE = "average"
+    ADASUM = "adasum"
+
+
+class Sharding(Mode):
+    """How a worker takes its part of the data (docs/data.md): every Nth element, its own files, every
+    Nth batch of a pre-batched source, the user's own function's part, or all of it (one worker)."""
+    ELEMENT = "element"
+    FILE = "file"
+    BATCH = "batch"
+    YOURS = "yours"
+    NONE = "none"
+
+
+class Compression(Mode):
+    """What the allreduce sends: the gradients as they are, or as float16."""
+    NONE = "none"
+    FP16 = "fp16"
 
 
 def _f(default, help, **kw):
@@ -184,7 +214,7 @@ class Config:
         for name in ("checkpoint_every", "checkpoint_every_steps", "early_stopping_patience", "allreduce_groups"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
-        for name, allowed in (("compression", ("none", "fp16")), ("reduction", ("average", "adasum")),
+        for name, allowed in (("compression", tuple(Compression)), ("reduction", tuple(Reduction)),
                               ("precision", PRECISIONS), ("lr_schedule", SCHEDULES)):
             if getattr(self, name) not in allowed and not (name == "precision" and self.precision is None):
                 raise UserError(f"--{_flag(name)} must be one of {', '.join(allowed)}, "
@@ -203,10 +233,10 @@ class Config:
         for name in ("fusion_threshold_mb", "cycle_time_ms", "stall_check_seconds", "stall_shutdown_seconds"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise UserError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
-        if self.allreduce_groups and self.reduction == "adasum":
+        if self.allreduce_groups and self.reduction == Reduction.ADASUM:
             raise UserError("--allreduce-groups groups Horovod's ring-allreduce; --reduction adasum "
                             "reduces each gradient on its own")
-        if self.elastic and self.reduction == "adasum":
+        if self.elastic and self.reduction == Reduction.ADASUM:
             raise UserError("--elastic runs on the Gloo controller and --reduction adasum needs MPI; "
                             "drop one of them")
         if self.resume and not (os.path.exists(self.resume) or os.path.exists(self.resume + ".index")):

@@ -17,7 +17,7 @@ import weakref
 from dataclasses import dataclass
 
 from . import compat, preemption, runtime, watchdog
-from .config import DEFAULT_LR, DEFAULT_OPTIMIZER, Config, UserError
+from .config import DEFAULT_LR, DEFAULT_OPTIMIZER, Compression, Config, Reduction, UserError
 
 
 def lr_multiplier(cfg: Config, world: runtime.World) -> float:
@@ -26,7 +26,7 @@ def lr_multiplier(cfg: Config, world: runtime.World) -> float:
     Adasum combines gradients instead of averaging them and wants no such scaling on CPUs (on GPUs,
     with NCCL inside a host, by the local size), as Horovod's Adasum guide says.
     """
-    if cfg.reduction == "adasum":
+    if cfg.reduction == Reduction.ADASUM:
         return float(world.local_size if world.device.startswith("GPU") else 1) * cfg.backward_passes_per_step
     return float(world.size * cfg.backward_passes_per_step)
 
@@ -161,7 +161,7 @@ def distributed(opt, cfg: Config, loss_scale: bool = True):
     import horovod.tensorflow as hvd_ops
     import horovod.tensorflow.keras as hvd
 
-    if cfg.reduction == "adasum":
+    if cfg.reduction == Reduction.ADASUM:
         return opt  # Horovod's Keras optimizer wrapper takes Average or Sum only
     dist = hvd.DistributedOptimizer(
         opt,
@@ -202,7 +202,7 @@ def _distributed_keras3(opt, cfg: Config, loss_scale: bool = True):
         target = config["inner_optimizer"]["config"] if "inner_optimizer" in config else config
         target["gradient_accumulation_steps"] = cfg.backward_passes_per_step
     reduce = _signalling(compat.allreduce_gradients_fn(
-        hvd.Adasum if cfg.reduction == "adasum" else hvd.Average, _compression(cfg), cfg.sparse_as_dense,
+        hvd.Adasum if cfg.reduction == Reduction.ADASUM else hvd.Average, _compression(cfg), cfg.sparse_as_dense,
         cfg.allreduce_groups))
     base = type(opt)
 
@@ -284,7 +284,7 @@ class _Keras2Patches:
 def _compression(cfg: Config):
     import horovod.tensorflow as hvd
 
-    return hvd.Compression.fp16 if cfg.compression == "fp16" else hvd.Compression.none
+    return hvd.Compression.fp16 if cfg.compression == Compression.FP16 else hvd.Compression.none
 
 
 def check_adasum(model, cfg: Config, world: runtime.World):
@@ -506,12 +506,12 @@ class TrainStep:
         whose compiled one may never step)."""
         import tensorflow as tf
 
-        if cfg.reduction == "adasum":
+        if cfg.reduction == Reduction.ADASUM:
             check_adasum(model, cfg, world)
         own = model.train_step
         self.model, self.rates, self.cfg, self.classes = model, rates, cfg, classes
         self.own: typing.Callable = own.own if isinstance(own, TrainStep) else own
-        self.step = self._adasum if cfg.reduction == "adasum" and not compat.keras3() else self.own
+        self.step = self._adasum if cfg.reduction == Reduction.ADASUM and not compat.keras3() else self.own
         self.counter = None
         if own_counter:
             with tf.init_scope():

@@ -33,7 +33,7 @@ from . import config as config_lib
 from . import data as data_lib
 from .checkpoint import Checkpoints
 from .compiling import Trainer
-from .config import Config, UserError
+from .config import Config, Sharding, UserError
 from .runtime import log
 
 
@@ -366,7 +366,7 @@ def fit_on_shard(cfg: Config, model, data, world: runtime.World, ckpts, first_ep
     if cfg.monitor.startswith("val_") and data.val is None and cfg.early_stopping_patience:
         raise UserError(f"--early-stopping-patience watches {cfg.monitor}, but there is no validation "
                         f"data: return (train, val) from the data function, or give --val-split")
-    sharded = {"yours": "sharded by the data function", "none": "one worker: not sharded"}.get(
+    sharded = {Sharding.YOURS: "sharded by the data function", Sharding.NONE: "one worker: not sharded"}.get(
         data.sharding, f"sharded by {data.sharding}")
     log.info("%s on %s%s, %s: %d steps/epoch of %d per worker, %d workers, epochs %d..%d%s", model.name,
              cfg.data, f" ({data.num_samples} samples)" if data.num_samples else "", sharded,

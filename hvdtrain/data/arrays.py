@@ -6,7 +6,7 @@ import zipfile
 
 import numpy as np
 
-from ..config import BUILT_IN_VAL_SPLIT, DEFAULT_BATCH_SIZE, Config, UserError
+from ..config import BUILT_IN_VAL_SPLIT, DEFAULT_BATCH_SIZE, Config, Sharding, UserError
 from ..runtime import World
 from . import agree
 from .core import Data, epoch_seed, permutation, split
@@ -14,7 +14,7 @@ from .core import Data, epoch_seed, permutation, split
 
 class Arrays:
     """Shuffle the indices, shard them, gather the batches: the arrays are never copied per epoch."""
-    sharding = "element"
+    sharding = Sharding.ELEMENT
 
     @staticmethod
     def can_handle(source) -> bool:

@@ -7,6 +7,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ..config import Sharding
+
 SPLIT_SEED = 0  # the train/validation split does not move with --seed, so runs stay comparable
 WINDOW = 10_000  # records shuffled together (a shuffle buffer's worth; rebuilt alone on resume)
 
@@ -20,7 +22,7 @@ class Data:
     batch_size: int  # per worker
     element_spec: Any  # of one batch
     num_samples: Optional[int]  # training samples in the whole data set (None: not counted)
-    sharding: str  # "element", "file", "batch", "yours" or "none"
+    sharding: Sharding
     num_classes: Optional[int] = None  # asked of the data for the built-in models only
     continuous: Any = None  # a repeating or infinite pipeline, batched (a tf.data.Dataset)
     notes: list = field(default_factory=list)  # lines rank 0 logs once

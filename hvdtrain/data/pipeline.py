@@ -19,7 +19,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import compat, runtime
-from ..config import DEFAULT_BATCH_SIZE, Config, UserError
+from ..config import DEFAULT_BATCH_SIZE, Config, Sharding, UserError
 from ..runtime import World, log
 from . import agree
 from .core import WINDOW, Data, epoch_seed, window_shuffle
@@ -58,11 +58,11 @@ class Pipeline:
         world, train = self.world, self.train
         self.post = lambda ds: ds
         if self.user_shards:
-            self.how, self.pre, self.countable = "yours", train, records_under(train)
+            self.how, self.pre, self.countable = Sharding.YOURS, train, records_under(train)
             return
         sharded, self.countable, self.how, why = shard(train, world.rank, world.size)
-        self.pre = sharded if self.how == "file" else train
-        if self.how in ("element", "batch"):
+        self.pre = sharded if self.how == Sharding.FILE else train
+        if self.how in (Sharding.ELEMENT, Sharding.BATCH):
             self.post = lambda ds: ds.shard(world.size, world.rank)
         if why:
             self.notes.append(f"{self.name}: {why}")
@@ -74,7 +74,7 @@ class Pipeline:
 
     def resumed(self, count: int):
         """`pre`, `count` elements on (by file: counted in this worker's files), skipped cheaply."""
-        if self.how == "file":
+        if self.how == Sharding.FILE:
             return auto_sharded(skip_cheaply(self.train, count), self.world.size, self.world.rank) if count \
                 else self.pre
         return skip_cheaply(self.pre, count)
@@ -84,7 +84,7 @@ class Pipeline:
         sharding shuffles and shards after the pipeline, so at step k the pipeline is `stride` times
         further on than this worker's shard."""
         cfg, batch, post = self.cfg, self.batch, self.post
-        stride = self.world.size if self.how in ("element", "batch") else 1
+        stride = self.world.size if self.how in (Sharding.ELEMENT, Sharding.BATCH) else 1
         if self.batched:
             return post(self.resumed(skip * stride)).take(self.steps - skip)
         if cfg.shuffle:
@@ -285,9 +285,11 @@ def shard(ds, rank: int, workers: int):
     reader = countable.records
     policy = ds.options().experimental_distribute.auto_shard_policy
     if workers == 1 or policy == tf.data.experimental.AutoShardPolicy.OFF:
-        return ds, countable, "none", None
-    unit, units = ("batch", "batches") if batching(ds)[0] else ("element", "elements")
-    by_element = (ds.shard(workers, rank), dataclasses.replace(countable, workers=workers, rank=rank), unit)
+        return ds, countable, Sharding.NONE, None
+    batched = batching(ds)[0]
+    unit, units = ("batch", "batches") if batched else ("element", "elements")
+    by_element = (ds.shard(workers, rank), dataclasses.replace(countable, workers=workers, rank=rank),
+                  Sharding.BATCH if batched else Sharding.ELEMENT)
     if policy == tf.data.experimental.AutoShardPolicy.DATA:
         return (*by_element, None)
     reads = in_graph(ds)
@@ -312,7 +314,7 @@ def shard(ds, rank: int, workers: int):
         why = (f"it reads fewer files than the {workers} workers: sharded by {unit} instead, so every "
                f"worker reads every file")
         return (*by_element, why)
-    return by_file, dataclasses.replace(countable, records=my_reader), "file", None
+    return by_file, dataclasses.replace(countable, records=my_reader), Sharding.FILE, None
 
 
 

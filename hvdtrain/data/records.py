@@ -6,7 +6,7 @@ import glob
 
 import numpy as np
 
-from ..config import DEFAULT_BATCH_SIZE, Config, UserError
+from ..config import DEFAULT_BATCH_SIZE, Config, Sharding, UserError
 from ..runtime import World
 from . import agree
 from .core import WINDOW, Data, epoch_seed, permutation, window_shuffle
@@ -29,7 +29,7 @@ class Records:
             raise UserError(f"--data tfrecord:{pattern}: no files match")
         self.batch = cfg.batch_size or DEFAULT_BATCH_SIZE
         self.by_file = len(self.files) >= world.size
-        self.sharding = "file" if self.by_file else "element"
+        self.sharding = Sharding.FILE if self.by_file else Sharding.ELEMENT
         self.steps = 0  # agreed in load
 
     def shard(self) -> list:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import compat
-from ..config import Config, UserError
+from ..config import Config, Sharding, UserError
 from ..runtime import World
 from . import agree
 from .core import Data, epoch_seed, permutation
@@ -17,7 +17,7 @@ class Sequences:
     size-th from this rank's. Batches are read by __getitem__ only as training reaches them (a resume
     skips indices, not data), and on_epoch_end runs after each epoch, as in Keras' fit; a resumed run
     calls it for the epochs it skips, so a Sequence that reshuffles there does again."""
-    sharding = "batch"
+    sharding = Sharding.BATCH
 
     @staticmethod
     def can_handle(source) -> bool:

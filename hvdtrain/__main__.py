@@ -4,7 +4,6 @@ Alone it is one worker; under horovodrun or mpirun every process runs this same 
 """
 import os
 import sys
-import time
 
 from .config import UserError
 from .preemption import EXIT_STATUS, Preempted
@@ -35,22 +34,18 @@ def main(argv=None):
         train.run(config.load(argv))
         return 0
     except UserError as e:
+        # every rank meets the same error (config) or has agreed on it (set-up): rank 0 alone reports it
         runtime.say(f"hvdtrain: error: {e}", file=sys.stderr)
-        if runtime.world().rank != 0:
-            # Every rank meets the same error (config) or has agreed on it (set-up), but rank 0 alone
-            # reports it: horovodrun kills the others as soon as one exits, so let rank 0 speak first.
-            time.sleep(3)
+        runtime.rank0_first(runtime.Ending.ERROR)
         return 2
     except runtime.TrainingFailed as e:
         # The rank that hit it reports it. When several hit it (a bad label on every shard), rank 0
         # speaks at once and the launcher ends the others on its exit, before they speak.
-        if runtime.world().rank != 0:
-            time.sleep(10)
+        runtime.rank0_first(runtime.Ending.FAILED_STEP)
         print(f"hvdtrain: error: {e}", file=sys.stderr, flush=True)
         return 1
     except Preempted as e:
-        if runtime.world().rank != 0:
-            time.sleep(2)  # rank 0 speaks for all
+        runtime.rank0_first(runtime.Ending.PREEMPTED)  # rank 0 speaks for all
         runtime.say(f"hvdtrain: {e}", file=sys.stderr)
         return EXIT_STATUS
     except KeyboardInterrupt:

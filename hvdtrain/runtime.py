@@ -8,6 +8,7 @@ through `rank0_only`; everything that can fail differently per rank during set-u
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import logging
 import os
@@ -74,6 +75,23 @@ def rank0_only(fn):
             return fn(*args, **kwargs)
         return None
     return wrapper
+
+
+class Ending(enum.Enum):
+    """What ends a job on every rank, and how long a rank other than 0 waits before it exits (or, for a
+    failed step, before it speaks) so that rank 0 speaks first: a launcher (horovodrun, mpirun) ends
+    every rank as soon as one exits. Rank 0 needs a moment to print a line every rank met (an error in
+    the flags or the set-up, a preemption); a failed step is reported by the rank that hit it, and rank
+    0, when it hit it too, may still be inside the step's error."""
+    ERROR = 3
+    PREEMPTED = 2
+    FAILED_STEP = 10
+
+
+def rank0_first(ending: Ending):
+    """The one rule for which rank speaks first: rank 0 (the others wait; see Ending)."""
+    if not _world.is_chief:
+        time.sleep(ending.value)
 
 
 @rank0_only
@@ -442,7 +460,7 @@ def report_errors_once():
         if not issubclass(kind, (UserError, TrainingFailed)):
             return previous(kind, value, tb)
         if issubclass(kind, UserError) and not _world.is_chief:
-            time.sleep(3)  # rank 0 speaks for all (the launcher ends the others once one exits)
+            rank0_first(Ending.ERROR)
             return None
         print(f"hvdtrain: error: {value}", file=sys.stderr, flush=True)
         return None

@@ -12,7 +12,7 @@ from .. import bench
 
 from .. import compat
 from ..config import UserError
-from . import launch, report, sections, step_cost, sync_vs_async
+from . import costs, launch, report, sections, step_cost, sync_vs_async
 
 def parser():
     p = argparse.ArgumentParser(prog="hvdtrain bench", description=bench.__doc__.splitlines()[0])
@@ -81,8 +81,8 @@ SECTIONS = {
     "levers": lambda args, out, results: sections.levers(args, out),
     "baseline": lambda args, out, results: sections.keras_baseline(args, out),
     "recipe": lambda args, out, results: sections.recipe(args, out),
-    "startup": lambda args, out, results: sections.startup(args, out),
-    "checkpoint": lambda args, out, results: sections.checkpoint_cost(args, out),
+    "startup": lambda args, out, results: costs.startup(args, out),
+    "checkpoint": lambda args, out, results: costs.checkpoint_cost(args, out),
     "callbacks": lambda args, out, results: sections.callbacks_cost(args, out),
     "preemption": lambda args, out, results: sections.preemption_cost(args, out),
     "stacks": lambda args, out, results: sections.stacks(args, out),

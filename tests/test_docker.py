@@ -140,7 +140,8 @@ def test_the_gpu_image_has_horovod_with_nccl_and_trains_as_the_cpu_image_does(co
     for name, value in on_cpu_image.items():
         assert on_gpu_image[name] == pytest.approx(value, rel=1e-5), (name, on_gpu_image, on_cpu_image)
 
-    # the compose file starts the same cluster from the GPU image
+    # the compose file starts the same cluster from the GPU image, on the same subnet: the CPU one goes first
+    sh(compose + ["down", "-v", "--remove-orphans"], timeout=180, check=False)
     cluster = [c if c != PROJECT else PROJECT + "gpu" for c in compose]
     env = {"HVDTRAIN_IMAGE": gpu_image}
     try:
